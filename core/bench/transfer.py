@@ -1,0 +1,312 @@
+"""`kvpush bench transfer`: raw NIXL WRITE bandwidth between two processes.
+
+Two OS processes each hold a KV-shaped buffer (layers x blocks, K and V per block)
+and register it with NIXL. The sender WRITEs a scattered half of the blocks into the
+receiver's matching blocks, with a notification, and times it. In the same run the
+sender times a one-process memcpy of the same number of bytes: the practical limit
+on this machine, and the baseline every ratio is against.
+
+The receiver runs kvpush's loop exactly as the connector does, so its idle CPU
+(measured while connected and nothing is sent) is the idle cost of a real peer.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+from kvpush.layout import BlockTable, KVLayout
+from kvpush.plugins import get_backends
+from kvpush.transport.agent import AgentConfig, NixlAgent
+from kvpush.transport.channel import Connection, Listener, connect
+from kvpush.transport.loop import Loop
+
+MiB = 1 << 20
+LAYERS = 4
+SIZES_MIB = (1, 16, 256)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A KV-shaped buffer: `layers` layers of `pool` blocks, `block_bytes` each (K+V)."""
+
+    total_bytes: int
+    layers: int = LAYERS
+
+    @property
+    def selected(self) -> int:
+        # Blocks moved per transfer: 16 at 1 MiB, growing so blocks stay 16 KiB-2 MiB.
+        return max(16, min(64, self.total_bytes // (self.layers * 256 * 1024)))
+
+    @property
+    def block_bytes(self) -> int:
+        return self.total_bytes // (self.layers * self.selected)
+
+    @property
+    def pool(self) -> int:
+        return 2 * self.selected
+
+    def array(self, fill: int) -> np.ndarray:
+        # (layers, blocks, 2, bytes-per-half): the block-major KV layout.
+        shape = (self.layers, self.pool, 2, self.block_bytes // 2)
+        return np.full(shape, fill, dtype=np.uint8)
+
+    def picked_blocks(self, seed: int) -> np.ndarray:
+        return np.sort(np.random.default_rng(seed).permutation(self.pool)[: self.selected])
+
+
+@dataclass
+class SizeResult:
+    size_mib: float
+    block_kib: float
+    blocks_per_transfer: int
+    descriptors: int
+    runs: int
+    nixl_gbps: float
+    memcpy_gbps: float
+    ratio: float
+    prepare_us: float
+    post_us: float
+    first_transfer_ms: float
+    receiver_idle_cpu_pct: float
+    verified: bool
+
+
+def _describe(buf: np.ndarray) -> KVLayout:
+    tensors = {f"layer.{i}": buf[i] for i in range(buf.shape[0])}
+    return get_backends(["host"]).describe(tensors, ("blocks", "kv", "bytes")).layout
+
+
+class _Side:
+    """One process's half: a loop thread owning the agent, and its side channel."""
+
+    def __init__(self, name: str, buf: np.ndarray) -> None:
+        self.buf = buf
+        self.layout = _describe(buf)
+        self.table = BlockTable(self.layout, split=False)
+        self.loop = Loop(f"bench-{name}")
+        self.agent: NixlAgent = self.loop.start(lambda: NixlAgent(name, AgentConfig()))
+        self.loop.call(self.agent.register, self.layout.regions)
+        self.local = self.loop.call(self.agent.prepare, self.table.rows, self.layout.mem_type)
+        self.inbox: list[dict[str, Any]] = []
+        self.conn: Connection | None = None
+
+    def attach(self, sock: Any) -> None:
+        self.conn = Connection(self.loop, sock, self._on_frame, self._on_close)
+
+    def _on_frame(self, conn: Connection, frame: bytes) -> None:
+        self.inbox.append(msgspec.msgpack.decode(frame))
+
+    def _on_close(self, conn: Connection, reason: str) -> None:
+        self.inbox.append({"kind": "closed", "reason": reason})
+
+    def send(self, **message: Any) -> None:
+        self.loop.call(self.conn.send, msgspec.msgpack.encode(message))
+
+    def receive(self, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.inbox:
+                message = self.loop.call(self.inbox.pop, 0)
+                if message["kind"] == "closed":
+                    raise RuntimeError(f"bench peer went away: {message['reason']}")
+                return message
+            time.sleep(0.001)
+        raise TimeoutError("bench peer did not answer")
+
+
+class _NotifWaiter:
+    """The receiver's poller: fast polling only while notifications are expected."""
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self.agent = agent
+        self.expected = 0
+        self.received: list[bytes] = []
+
+    def pending(self) -> bool:
+        return len(self.received) < self.expected
+
+    def poll(self) -> bool:
+        batch = self.agent.notifs()
+        self.received.extend(message for _, message in batch)
+        return bool(batch)
+
+
+def _receiver_main(total_bytes: int, port_queue: Any, idle_seconds: float) -> None:
+    shape = Shape(total_bytes)
+    side = _Side("bench-receiver", shape.array(0))
+    listener = side.loop.call(lambda: Listener(side.loop, "127.0.0.1", 0, side.attach))
+    port_queue.put(listener.port)
+    waiter = _NotifWaiter(side.agent)
+    side.loop.call(side.loop.add_poller, waiter)
+    hello = side.receive()
+    side.loop.call(side.agent.add_peer, hello["metadata"])
+    side.send(kind="hello", metadata=side.loop.call(side.agent.metadata), layout=side.layout)
+    while True:
+        message = side.receive(timeout=600)
+        if message["kind"] == "idle":
+            # Connected, registered, nothing in flight: what does sitting here cost?
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            time.sleep(idle_seconds)
+            cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+            side.send(kind="idle", cpu_pct=100.0 * cpu)
+        elif message["kind"] == "expect":
+            side.loop.call(setattr, waiter, "expected", waiter.expected + 1)
+            side.send(kind="ready")
+        elif message["kind"] == "check":
+            deadline = time.monotonic() + 30
+            while waiter.pending() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            side.send(kind="checked", ok=_verify(side.buf, shape, message["blocks"]))
+        elif message["kind"] == "bye":
+            break
+    side.loop.stop()
+
+
+def _verify(buf: np.ndarray, shape: Shape, blocks: list[int]) -> bool:
+    written = np.zeros(shape.pool, dtype=bool)
+    written[blocks] = True
+    return bool((buf[:, written] == 0xAB).all() and (buf[:, ~written] == 0).all())
+
+
+def _memcpy_gbps(nbytes: int, runs: int) -> float:
+    src = np.full(nbytes, 1, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _sender_main(total_bytes: int, port: int, runs: int, idle_seconds: float, out: Any) -> None:
+    shape = Shape(total_bytes)
+    side = _Side("bench-sender", shape.array(0xAB))
+    sock = connect("127.0.0.1", port, timeout=10)
+    side.loop.call(side.attach, sock)
+    side.send(kind="hello", metadata=side.loop.call(side.agent.metadata))
+    hello = side.receive()
+    peer = side.loop.call(side.agent.add_peer, hello["metadata"])
+    remote_layout = msgspec.convert(hello["layout"], KVLayout)
+    remote_table = BlockTable(remote_layout, split=False)
+    remote = side.loop.call(side.agent.prepare, remote_table.rows, remote_layout.mem_type, peer)
+
+    blocks = shape.picked_blocks(seed=total_bytes)
+    local_ids, remote_ids = side.table.ids(blocks), remote_table.ids(blocks)
+    nbytes = len(local_ids) * shape.block_bytes
+
+    def one_write(tag: int) -> tuple[float, float, float]:
+        # The sender waits in a tight loop: this measures the wire, not kvpush's poller.
+        agent = side.agent
+        t0 = time.perf_counter()
+        transfer = agent.make_transfer(
+            "WRITE", side.local, local_ids, remote, remote_ids, b"bench-%d" % tag, nbytes
+        )
+        t1 = time.perf_counter()
+        finished = agent.start(transfer)
+        t2 = time.perf_counter()
+        while not finished:
+            finished = agent.done(transfer)
+        t3 = time.perf_counter()
+        agent.release(transfer)
+        return t1 - t0, t2 - t1, t3 - t0
+
+    prepare, post, total = [], [], []
+    for tag in range(runs + 1):
+        side.send(kind="expect")
+        side.receive()
+        p, q, t = side.loop.call(one_write, tag)
+        prepare.append(p)
+        post.append(q)
+        total.append(t)
+    side.send(kind="check", blocks=blocks.tolist())
+    verified = side.receive()["ok"]
+    side.send(kind="idle")
+    idle = side.receive(timeout=idle_seconds + 30)["cpu_pct"]
+    side.send(kind="bye")
+    memcpy = _memcpy_gbps(nbytes, max(runs, 5))
+    nixl = nbytes / statistics.median(total[1:]) / 1e9
+    out.put(
+        SizeResult(
+            size_mib=nbytes / MiB,
+            block_kib=shape.block_bytes / 1024,
+            blocks_per_transfer=len(blocks),
+            descriptors=len(local_ids),
+            runs=runs,
+            nixl_gbps=round(nixl, 3),
+            memcpy_gbps=round(memcpy, 3),
+            ratio=round(nixl / memcpy, 3),
+            prepare_us=round(statistics.median(prepare[1:]) * 1e6, 1),
+            post_us=round(statistics.median(post[1:]) * 1e6, 1),
+            first_transfer_ms=round(total[0] * 1e3, 2),
+            receiver_idle_cpu_pct=round(idle, 3),
+            verified=verified,
+        )
+    )
+    side.loop.stop()
+
+
+def run_size(total_bytes: int, runs: int, idle_seconds: float) -> SizeResult:
+    """Measure one size with a fresh pair of processes."""
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    receiver = ctx.Process(target=_receiver_main, args=(total_bytes, ports, idle_seconds))
+    receiver.start()
+    try:
+        port = ports.get(timeout=120)
+        sender = ctx.Process(
+            target=_sender_main, args=(total_bytes, port, runs, idle_seconds, results)
+        )
+        sender.start()
+        try:
+            result = results.get(timeout=300 + idle_seconds)
+        finally:
+            sender.join(30)
+            if sender.is_alive():
+                sender.kill()
+    finally:
+        receiver.join(30)
+        if receiver.is_alive():
+            receiver.kill()
+    return result
+
+
+def main(sizes_mib: tuple[float, ...], runs: int, idle_seconds: float, as_json: bool) -> int:
+    progress = sys.stderr.isatty()
+    results = []
+    for i, size in enumerate(sizes_mib):
+        if progress:
+            print(f"\r[{i + 1}/{len(sizes_mib)}] {size:g} MiB ...", end="", file=sys.stderr)
+        result = run_size(int(size * MiB), runs, idle_seconds)
+        results.append(result)
+        if as_json:
+            print(json.dumps(asdict(result)), flush=True)
+    if progress:
+        print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    if not as_json:
+        _print_table(results)
+    return 0 if all(r.verified for r in results) else 1
+
+
+def _print_table(results: list[SizeResult]) -> None:
+    head = (
+        f"{'size':>8} {'block':>9} {'descs':>6} {'NIXL GB/s':>10} {'memcpy GB/s':>12} "
+        f"{'ratio':>6} {'prep us':>8} {'post us':>9} {'first ms':>9} {'rx idle CPU':>12} ok"
+    )
+    print(head)
+    for r in results:
+        print(
+            f"{r.size_mib:>6g}Mi {r.block_kib:>7g}Ki {r.descriptors:>6} {r.nixl_gbps:>10.2f} "
+            f"{r.memcpy_gbps:>12.2f} {r.ratio:>6.2f} {r.prepare_us:>8.1f} {r.post_us:>9.1f} "
+            f"{r.first_transfer_ms:>9.2f} {r.receiver_idle_cpu_pct:>11.2f}% {r.verified}"
+        )
+    print(f"(pid {os.getpid()}; medians of {results[0].runs if results else 0} runs per size)")

@@ -1,0 +1,86 @@
+"""The `kvpush` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvpush.errors import KVPushError
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from kvpush.plugins import get_backends
+
+    backends = get_backends()
+    probes = backends.probes()
+    rows = []
+    for loaded in backends.loaded():
+        probe = probes.get(loaded.name)
+        info = loaded.info
+        rows.append(
+            {
+                "name": loaded.name,
+                "source": loaded.source,
+                "module": loaded.module,
+                "present": bool(probe and probe.present),
+                "detail": probe.detail if probe else "no probe",
+                "device_types": list(info.device_types),
+                "mem_types": list(info.mem_types),
+                "transfer_paths": list(info.transfer_paths),
+                "not_implemented": list(info.missing),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        state = "present" if row["present"] else "absent"
+        print(f"{row['name']:<8} {row['source']:<12} device {state:<8} {row['detail']}")
+        print(
+            f"{'':<8} devices {','.join(row['device_types'])}; memory "
+            f"{','.join(row['mem_types'])}; paths {','.join(row['transfer_paths'])}"
+        )
+        if row["not_implemented"]:
+            print(f"{'':<8} not implemented for this backend: {', '.join(row['not_implemented'])}")
+    return 0
+
+
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from kvpush.bench import transfer
+
+    sizes = tuple(float(s) for s in args.sizes.split(","))
+    return transfer.main(sizes, args.runs, args.idle_seconds, args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    backends = commands.add_parser("backends", help="list device backends and their devices")
+    backends.add_argument("--json", action="store_true", help="one JSON document")
+    backends.set_defaults(run=_backends)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    transfer = benches.add_parser("transfer", help="NIXL WRITE bandwidth between two processes")
+    transfer.add_argument("--json", action="store_true", help="one JSON object per size")
+    transfer.add_argument("--sizes", default="1,16,256", help="MiB per transfer (default 1,16,256)")
+    transfer.add_argument("--runs", type=int, default=20, help="timed transfers per size")
+    transfer.add_argument(
+        "--idle-seconds", type=float, default=3.0, help="window for the receiver's idle CPU"
+    )
+    transfer.set_defaults(run=_bench_transfer)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KVPushError as exc:
+        print(f"kvpush: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

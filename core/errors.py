@@ -1,0 +1,65 @@
+"""Every error kvpush raises on purpose derives from KVPushError.
+
+Callers that must never crash (the connector inside an engine, the router) catch
+KVPushError and turn it into a failed request; anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class KVPushError(Exception):
+    """Base of all kvpush errors."""
+
+
+class ConfigError(KVPushError, ValueError):
+    """A configuration value or key is wrong; the message names it."""
+
+
+class BackendError(KVPushError):
+    """No backend, or the wrong one, for a device or a request."""
+
+
+class BackendNotImplemented(BackendError, NotImplementedError):
+    """The backend exists but does not implement this operation yet."""
+
+
+class RegionError(KVPushError, ValueError):
+    """A memory region or block layout cannot be registered or addressed."""
+
+
+class TransportError(KVPushError):
+    """A NIXL operation failed. Names the operation and, when known, the peer."""
+
+    def __init__(self, op: str, detail: str, peer: str | None = None) -> None:
+        self.op = op
+        self.peer = peer
+        self.detail = detail
+        where = f" with peer {peer!r}" if peer else ""
+        super().__init__(f"NIXL {op}{where} failed: {detail}")
+
+
+class PeerLostError(TransportError):
+    """The remote agent disconnected or died."""
+
+
+class MetadataError(TransportError):
+    """Agent metadata from a peer could not be loaded."""
+
+
+class ProtocolError(KVPushError):
+    """A message could not be decoded, or does not fit the protocol state."""
+
+
+class AuthError(ProtocolError):
+    """A message failed authentication or was replayed."""
+
+
+class TransferFailed(KVPushError):
+    """A KV transfer ended without the bytes arriving. `reason` is machine-readable."""
+
+    def __init__(self, transfer_id: str, reason: str, detail: str = "") -> None:
+        self.transfer_id = transfer_id
+        self.reason = reason
+        self.detail = detail
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"transfer {transfer_id!r} failed ({reason}){suffix}")

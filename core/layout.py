@@ -1,0 +1,320 @@
+"""Where each KV block lives, as plain numbers, and the NIXL descriptors that follow.
+
+A backend describes its KV cache as a KVLayout: per layer, one or more runs of
+equally spaced blocks. A run holds K and V back to back inside each block ("KV",
+the block-major layout `(blocks, 2, ...)`), only K or only V ("K", "V": the
+K/V-major layout `(2, blocks, ...)`), or K and V interleaved below the block
+("mixed": vLLM's CPU layout packs them in the last dimension; MLA has one latent).
+Two peers whose layouts differ only between "KV" and "K"+"V" still pair: transfers
+then go at K/V granularity, which maps one layout onto the other byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+from kvpush.errors import RegionError
+from kvpush.regions import MemRegion, merge_regions
+
+PARTS = ("KV", "K", "V", "mixed")
+
+
+class BlockRun(msgspec.Struct, frozen=True):
+    """Block i of the run occupies [base + i * stride, + block_bytes)."""
+
+    base: int
+    stride: int
+    block_bytes: int
+    part: str = "KV"
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """A worker's KV cache: the regions to register and every layer's block runs.
+
+    `inner` names the element order inside one K or V block (for example
+    "tokens,heads,dim"); peers must agree on it and on `dtype`, because a byte copy
+    cannot transpose.
+    """
+
+    regions: tuple[MemRegion, ...]
+    layers: tuple[tuple[BlockRun, ...], ...]
+    num_blocks: int
+    tokens_per_block: int
+    dtype: str
+    inner: str
+    layer_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_layout(self)
+
+    @property
+    def mem_type(self) -> str:
+        return self.regions[0].mem_type
+
+    @property
+    def device_id(self) -> int:
+        return self.regions[0].device_id
+
+    def digest(self) -> str:
+        """Changes whenever any address, size or shape changes (a re-registration)."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+
+class Unit(NamedTuple):
+    """One transfer unit of a layer: the same slice of every block."""
+
+    layer: int
+    part: str
+    base: int
+    stride: int
+    nbytes: int
+
+
+def check_layout(layout: KVLayout) -> None:
+    if not layout.regions:
+        raise RegionError("a KV layout needs at least one memory region")
+    spaces = {(r.mem_type, r.device_id) for r in layout.regions}
+    if len(spaces) != 1:
+        raise RegionError(f"a KV layout must live on one device; got {sorted(spaces)}")
+    if layout.num_blocks <= 0:
+        raise RegionError(f"num_blocks must be > 0, got {layout.num_blocks}")
+    if layout.tokens_per_block <= 0:
+        raise RegionError(f"tokens_per_block must be > 0, got {layout.tokens_per_block}")
+    if not layout.layers:
+        raise RegionError("a KV layout needs at least one layer")
+    if layout.layer_names and len(layout.layer_names) != len(layout.layers):
+        raise RegionError("layer_names must name every layer, or be empty")
+    for index, runs in enumerate(layout.layers):
+        _check_layer(layout, index, runs)
+
+
+def _check_layer(layout: KVLayout, index: int, runs: tuple[BlockRun, ...]) -> None:
+    if not runs:
+        raise RegionError(f"layer {index} has no block runs")
+    k_bytes = v_bytes = 0
+    for run in runs:
+        if run.part not in PARTS:
+            raise RegionError(f"layer {index}: run part {run.part!r} is not one of {PARTS}")
+        if run.block_bytes <= 0 or (run.part == "KV" and run.block_bytes % 2):
+            raise RegionError(f"layer {index}: block size {run.block_bytes} bytes is not usable")
+        if layout.num_blocks > 1 and run.stride < run.block_bytes:
+            raise RegionError(
+                f"layer {index}: stride {run.stride} is smaller than the block ({run.block_bytes})"
+            )
+        extent = run.stride * (layout.num_blocks - 1) + run.block_bytes
+        if not any(region.contains(run.base, extent) for region in layout.regions):
+            raise RegionError(
+                f"layer {index}: blocks at [{run.base:#x}, +{extent}) are outside every region"
+            )
+        k_bytes += run.block_bytes // 2 if run.part == "KV" else run.block_bytes * (run.part == "K")
+        v_bytes += run.block_bytes // 2 if run.part == "KV" else run.block_bytes * (run.part == "V")
+    if any(run.part == "mixed" for run in runs) and len(runs) != 1:
+        raise RegionError(f"layer {index}: a mixed K/V run must be the layer's only run")
+    if k_bytes != v_bytes:
+        raise RegionError(f"layer {index}: K holds {k_bytes} bytes a block but V holds {v_bytes}")
+
+
+def units(layout: KVLayout, split: bool) -> list[Unit]:
+    """The layout's transfer units, layer by layer; with `split`, K and V apart."""
+    result: list[Unit] = []
+    for index, runs in enumerate(layout.layers):
+        if not split:
+            result.extend(Unit(index, r.part, r.base, r.stride, r.block_bytes) for r in runs)
+            continue
+        k_units, v_units = [], []
+        for r in runs:
+            if r.part == "mixed":
+                raise RegionError(
+                    f"layer {index} interleaves K and V inside a block; it can only pair "
+                    "with a peer of the same layout"
+                )
+            if r.part == "KV":
+                half = r.block_bytes // 2
+                k_units.append(Unit(index, "K", r.base, r.stride, half))
+                v_units.append(Unit(index, "V", r.base + half, r.stride, half))
+            else:
+                (k_units if r.part == "K" else v_units).append(
+                    Unit(index, r.part, r.base, r.stride, r.block_bytes)
+                )
+        result.extend(k_units + v_units)
+    return result
+
+
+def _shape(layout_units: list[Unit]) -> list[tuple[int, str, int]]:
+    return [(u.layer, u.part, u.nbytes) for u in layout_units]
+
+
+def pairing_split(local: KVLayout, remote: KVLayout) -> bool:
+    """Whether two layouts pair at K/V granularity (True) or whole blocks (False).
+
+    Raises RegionError naming the difference when no byte-for-byte mapping exists.
+    """
+    for field in ("tokens_per_block", "dtype", "inner"):
+        mine, theirs = getattr(local, field), getattr(remote, field)
+        if mine != theirs:
+            raise RegionError(f"KV layouts differ in {field}: local {mine!r}, remote {theirs!r}")
+    if len(local.layers) != len(remote.layers):
+        raise RegionError(
+            f"KV layouts differ in layer count: local {len(local.layers)}, "
+            f"remote {len(remote.layers)}"
+        )
+    if _shape(units(local, False)) == _shape(units(remote, False)):
+        return False
+    mine, theirs = _shape(units(local, True)), _shape(units(remote, True))
+    if mine == theirs:
+        return True
+    if len(mine) != len(theirs):
+        raise RegionError(
+            f"KV layouts cannot be mapped block for block: local has {len(mine)} K/V slices "
+            f"per block, remote {len(theirs)}"
+        )
+    first = next((a, b) for a, b in zip(mine, theirs, strict=True) if a != b)
+    raise RegionError(
+        "KV layouts cannot be mapped block for block: first difference (layer, part, bytes): "
+        f"local {first[0]}, remote {first[1]}"
+    )
+
+
+class BlockTable:
+    """Every (unit, block) slice of a layout as NIXL descriptor rows, built once.
+
+    Row `unit * num_blocks + block` holds block `block` of unit `unit`, so moving some
+    blocks is a list of row indices: prepare the table with NIXL once, post by index.
+    """
+
+    def __init__(self, layout: KVLayout, split: bool) -> None:
+        self.layout = layout
+        self.split = split
+        layout_units = units(layout, split)
+        self.num_units = len(layout_units)
+        nb = layout.num_blocks
+        self.rows = np.empty((self.num_units * nb, 3), dtype=np.uint64)
+        blocks = np.arange(nb, dtype=np.uint64)
+        for i, unit in enumerate(layout_units):
+            rows = self.rows[i * nb : (i + 1) * nb]
+            rows[:, 0] = np.uint64(unit.base) + blocks * np.uint64(unit.stride)
+            rows[:, 1] = unit.nbytes
+            rows[:, 2] = layout.device_id
+        self._unit_offsets = np.arange(self.num_units, dtype=np.int64)[:, None] * nb
+
+    def ids(self, block_ids: np.ndarray | list[int]) -> np.ndarray:
+        """Row indices for `block_ids`, unit-major; RegionError if any id is out of range."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        check_block_ids(self.layout, ids)
+        return (self._unit_offsets + ids[None, :]).ravel()
+
+
+def check_block_ids(layout: KVLayout, ids: np.ndarray) -> None:
+    if ids.ndim != 1:
+        raise RegionError(f"block ids must be a flat list, got shape {ids.shape}")
+    bad = ids[(ids < 0) | (ids >= layout.num_blocks)]
+    if bad.size:
+        raise RegionError(
+            f"block ids {bad[:8].tolist()} are out of range: the layout has "
+            f"{layout.num_blocks} blocks (0..{layout.num_blocks - 1})"
+        )
+
+
+class TensorView(NamedTuple):
+    """What a backend reads off one KV tensor: enough to place every block.
+
+    `strides` are in elements, as torch and numpy (divided by itemsize) report them.
+    """
+
+    addr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    dtype: str
+    device_id: int = 0
+    mem_type: str = "DRAM"
+
+
+def layout_from_views(
+    views: dict[str, TensorView], dims: tuple[str, ...] | list[str], tokens_per_block: int = 0
+) -> KVLayout:
+    """Derive a KVLayout from per-layer tensor views and the meaning of their dimensions.
+
+    `dims` names each dimension of the tensors' shape: "blocks" (required), "kv" (size 2,
+    K then V; absent when K and V are interleaved below the block) and any other names
+    for the dimensions inside a block. Memory order is read from the strides, so a
+    permuted tensor is described as it really lies.
+    """
+    dims = tuple(dims)
+    if "blocks" not in dims:
+        raise RegionError(f"dims {dims} must name the 'blocks' dimension")
+    if not views:
+        raise RegionError("no KV tensors to describe")
+    regions, layers, num_blocks, dtype, inner = [], [], None, None, None
+    for name, view in views.items():
+        runs, layer_inner, tokens = _runs_of(name, view, dims)
+        blocks = view.shape[dims.index("blocks")]
+        if num_blocks is not None and (blocks, view.dtype, layer_inner) != (
+            num_blocks,
+            dtype,
+            inner,
+        ):
+            raise RegionError(
+                f"layer {name!r} has {blocks} blocks of {view.dtype} [{layer_inner}]; "
+                f"earlier layers have {num_blocks} blocks of {dtype} [{inner}]"
+            )
+        num_blocks, dtype, inner = blocks, view.dtype, layer_inner
+        tokens_per_block = tokens_per_block or tokens
+        layers.append(runs)
+        extent = sum((n - 1) * s for n, s in zip(view.shape, view.strides, strict=True)) + 1
+        regions.append(MemRegion(view.addr, extent * view.itemsize, view.device_id, view.mem_type))
+    return KVLayout(
+        regions=tuple(merge_regions(regions)),
+        layers=tuple(layers),
+        num_blocks=num_blocks,
+        tokens_per_block=tokens_per_block or 1,
+        dtype=dtype,
+        inner=inner,
+        layer_names=tuple(views),
+    )
+
+
+def _runs_of(
+    name: str, view: TensorView, dims: tuple[str, ...]
+) -> tuple[tuple[BlockRun, ...], str, int]:
+    if len(dims) != len(view.shape) or len(view.strides) != len(view.shape):
+        raise RegionError(
+            f"layer {name!r}: shape {view.shape} does not match the dims {dims} it was given"
+        )
+    size = dict(zip(dims, view.shape, strict=True))
+    stride = dict(zip(dims, view.strides, strict=True))
+    if "kv" in size and size["kv"] != 2:
+        raise RegionError(f"layer {name!r}: the 'kv' dimension has size {size['kv']}, not 2")
+    # Memory order: outermost first. Ties (size-1 dims) keep the declared order.
+    order = sorted(dims, key=lambda d: (-stride[d], dims.index(d)))
+    outer = [d for d in order if d in ("blocks", "kv")]
+    inner_dims = [d for d in order if d not in ("blocks", "kv")]
+    if order[: len(outer)] != outer:
+        raise RegionError(
+            f"layer {name!r}: dimensions {order} put a per-token dimension outside the "
+            "blocks; a block must be one contiguous slice"
+        )
+    expected = 1
+    for d in reversed(inner_dims):
+        if size[d] > 1 and stride[d] != expected:
+            raise RegionError(f"layer {name!r}: the inside of a block is not dense (dim {d!r})")
+        expected *= size[d]
+    isz = view.itemsize
+    block_stride = stride["blocks"] * isz
+    inner = ",".join(f"{d}:{size[d]}" for d in inner_dims)
+    if "kv" not in size:
+        runs = (BlockRun(view.addr, block_stride, expected * isz, "mixed"),)
+    elif outer[0] == "blocks":
+        runs = (BlockRun(view.addr, block_stride, 2 * stride["kv"] * isz, "KV"),)
+        if stride["kv"] != expected:
+            raise RegionError(f"layer {name!r}: K and V halves of a block are not adjacent")
+    else:
+        kv_offset = stride["kv"] * isz
+        runs = (
+            BlockRun(view.addr, block_stride, expected * isz, "K"),
+            BlockRun(view.addr + kv_offset, block_stride, expected * isz, "V"),
+        )
+    return runs, inner, size.get("tokens", 0)

@@ -1,0 +1,152 @@
+"""The side channel: length-prefixed frames over TCP, driven by the loop thread.
+
+Control messages travel here rather than as NIXL notifications because a socket can
+wake a blocked thread the instant a message arrives, while a notification is only
+seen when someone polls NIXL; and a peer that dies closes its sockets at once, so
+death is noticed without a timeout. Bytes moved by NIXL still carry their own
+notification, which says they have landed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import struct
+from collections.abc import Callable
+
+from kvpush.errors import ProtocolError
+from kvpush.transport.loop import Loop
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("!I")
+MAX_FRAME = 64 << 20
+
+
+class Connection:
+    """One framed TCP connection; all methods run on the loop thread."""
+
+    def __init__(
+        self,
+        loop: Loop,
+        sock: socket.socket,
+        on_frame: Callable[[Connection, bytes], None],
+        on_close: Callable[[Connection, str], None],
+        label: str = "",
+    ) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.on_frame = on_frame
+        self.on_close = on_close
+        self.label = label or _peer_label(sock)
+        self.closed = False
+        self.frames_in = self.frames_out = 0
+        self._inbuf = bytearray()
+        self._outbuf = bytearray()
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        loop.add_reader(sock, self._readable)
+
+    def send(self, frame: bytes) -> None:
+        if self.closed:
+            raise ProtocolError(f"connection to {self.label} is closed")
+        self._outbuf += HEADER.pack(len(frame)) + frame
+        self.frames_out += 1
+        self._flush()
+
+    def close(self, reason: str = "closed locally") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.sock)
+        self.loop.remove_writer(self.sock)
+        self.sock.close()
+        self.on_close(self, reason)
+
+    def _flush(self) -> None:
+        try:
+            while self._outbuf:
+                sent = self.sock.send(self._outbuf)
+                del self._outbuf[:sent]
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self.close(f"send failed: {exc.strerror or exc}")
+            return
+        if self._outbuf:
+            self.loop.add_writer(self.sock, self._flush)
+        else:
+            self.loop.remove_writer(self.sock)
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.close(f"receive failed: {exc.strerror or exc}")
+            return
+        if not data:
+            self.close("the peer closed the connection")
+            return
+        self._inbuf += data
+        while len(self._inbuf) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._inbuf)
+            if size > MAX_FRAME:
+                self.close(f"the peer sent a {size}-byte frame (limit {MAX_FRAME})")
+                return
+            if len(self._inbuf) < HEADER.size + size:
+                break
+            frame = bytes(self._inbuf[HEADER.size : HEADER.size + size])
+            del self._inbuf[: HEADER.size + size]
+            self.frames_in += 1
+            self.on_frame(self, frame)
+            if self.closed:
+                return
+
+
+class Listener:
+    """Accepts connections on (host, port); port 0 picks a free one."""
+
+    def __init__(
+        self, loop: Loop, host: str, port: int, on_accept: Callable[[socket.socket], None]
+    ) -> None:
+        self.loop = loop
+        self.on_accept = on_accept
+        self.sock = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self.sock.setblocking(False)
+        self.host, self.port = self.sock.getsockname()[:2]
+        loop.add_reader(self.sock, self._accept)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.sock.accept()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNABORTED, errno.EMFILE, errno.ENFILE):
+                raise
+            log.warning("kvpush side channel: accept failed: %s", exc)
+            return
+        self.on_accept(sock)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock)
+        self.sock.close()
+
+
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    """A connected socket, or ProtocolError naming the address. Blocking: call off-loop."""
+    try:
+        return socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise ProtocolError(f"cannot reach kvpush side channel at {host}:{port}: {exc}") from exc
+
+
+def _peer_label(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "unconnected"

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PEER_SCRIPT = Path(__file__).with_name("agent_peer.py")
+
+
+class RemotePeer:
+    """An agent_peer.py process; call() sends one command and waits for its answer."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+
+    def call(self, op: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.reply(op, timeout)
+
+    def send(self, op: str, **args: Any) -> None:
+        """Start a command without waiting; collect its answer with reply()."""
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, op: str, timeout: float = 60.0) -> dict[str, Any]:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"peer did not answer {op!r} within {timeout}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited (code {self.proc.poll()}) during {op!r}")
+        reply = json.loads(line)
+        if not reply.pop("ok"):
+            raise RuntimeError(f"peer failed {op!r}: {reply['error']}")
+        return reply
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def remote_peer() -> Iterator[RemotePeer]:
+    peer = RemotePeer()
+    yield peer
+    peer.kill()

@@ -1,0 +1,52 @@
+"""The kvpush command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def _kvpush(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("kvpush") or ""
+    command = [exe] if exe else [sys.executable, "-m", "kvpush"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_backends_json_lists_every_builtin_with_source_and_presence():
+    result = _kvpush("backends", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert {"host", "cuda", "neuron"} <= rows.keys()
+    assert rows["host"]["present"] is True
+    assert rows["host"]["mem_types"] == ["DRAM"]
+    for name in ("host", "cuda", "neuron"):
+        assert rows[name]["source"] == "built-in"
+        assert isinstance(rows[name]["present"], bool)
+        assert rows[name]["detail"]
+
+
+def test_backends_text_output_reads_as_a_table():
+    result = _kvpush("backends")
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[0].split()[0] in {"cuda", "host", "neuron"}
+
+
+def test_unknown_backend_in_env_is_a_clear_cli_error(monkeypatch):
+    monkeypatch.setenv("KVPUSH_BACKENDS", "host,nope")
+    result = _kvpush("backends")
+    assert result.returncode == 2
+    assert "unknown backend(s) ['nope']" in result.stderr
+
+
+def test_folders_are_not_importable_under_their_own_names():
+    for name in ("core", "backends"):
+        result = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert result.returncode != 0
+        assert "ImportError" in result.stderr, result.stderr

@@ -1,0 +1,143 @@
+"""The loop thread and the side channel: no spinning, no lost frames, clear closes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kvpush.transport.channel import MAX_FRAME, Connection, Listener, connect
+from kvpush.transport.loop import Loop
+
+
+@pytest.fixture
+def loop():
+    lp = Loop("test-loop", idle_tick=0.05)
+    lp.start()
+    yield lp
+    lp.stop()
+
+
+class CountingPoller:
+    def __init__(self, pending_rounds: int = 0) -> None:
+        self.polls = 0
+        self.pending_rounds = pending_rounds
+
+    def pending(self) -> bool:
+        return self.polls < self.pending_rounds
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return False
+
+
+def test_call_runs_on_the_loop_thread_and_returns(loop):
+    assert loop.call(threading.current_thread) is loop._thread
+    with pytest.raises(ZeroDivisionError):
+        loop.call(lambda: 1 / 0)
+
+
+def test_idle_loop_polls_only_on_its_slow_tick(loop):
+    poller = CountingPoller()
+    loop.call(loop.add_poller, poller)
+    time.sleep(0.5)
+    # idle_tick is 50 ms: about 10 polls in 0.5 s. A spinning loop does thousands.
+    assert 3 <= poller.polls <= 20
+
+
+def test_pending_poller_is_polled_fast_until_done(loop):
+    poller = CountingPoller(pending_rounds=200)
+    start = time.monotonic()
+    loop.call(loop.add_poller, poller)
+    while poller.polls < 200 and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    assert poller.polls >= 200
+    # Backing off to 1 ms caps 200 polls at well under a second; the idle tick would take 10 s.
+    assert time.monotonic() - start < 2.0
+
+
+def test_timers_fire_in_order_and_cancel(loop):
+    fired = []
+    done = threading.Event()
+
+    def schedule():
+        loop.call_later(0.03, lambda: fired.append("b"))
+        loop.call_later(0.01, lambda: fired.append("a"))
+        loop.call_later(0.02, lambda: fired.append("never")).cancel()
+        loop.call_later(0.05, done.set)
+
+    loop.call(schedule)
+    assert done.wait(2)
+    assert fired == ["a", "b"]
+
+
+def test_failing_callback_does_not_stop_the_loop(loop):
+    loop.call_soon(lambda: 1 / 0)
+    assert loop.call(lambda: 42) == 42
+
+
+class Endpoint:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.closed: list[str] = []
+        self.conn: Connection | None = None
+
+    def on_frame(self, conn, frame):
+        self.frames.append(frame)
+
+    def on_close(self, conn, reason):
+        self.closed.append(reason)
+
+
+def _pair(loop):
+    server, client = Endpoint(), Endpoint()
+
+    def accept(sock):
+        server.conn = Connection(loop, sock, server.on_frame, server.on_close)
+
+    listener = loop.call(lambda: Listener(loop, "127.0.0.1", 0, accept))
+    sock = connect("127.0.0.1", listener.port, timeout=5)
+    client.conn = loop.call(lambda: Connection(loop, sock, client.on_frame, client.on_close))
+    _wait(lambda: server.conn is not None)
+    return server, client, listener
+
+
+def _wait(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.002)
+
+
+def test_frames_arrive_whole_and_in_order(loop):
+    server, client, listener = _pair(loop)
+    frames = [b"a", b"", b"x" * (3 << 20), b"last"]
+    for frame in frames:
+        loop.call(client.conn.send, frame)
+    _wait(lambda: len(server.frames) == len(frames))
+    assert server.frames == frames
+    loop.call(listener.close)
+
+
+def test_peer_close_is_reported_at_once(loop):
+    server, client, listener = _pair(loop)
+    loop.call(client.conn.close)
+    _wait(lambda: server.closed)
+    assert server.closed == ["the peer closed the connection"]
+    loop.call(listener.close)
+
+
+def test_oversized_frame_closes_with_a_reason(loop):
+    server, client, listener = _pair(loop)
+    loop.call(client.conn.sock.sendall, (MAX_FRAME + 1).to_bytes(4, "big"))
+    _wait(lambda: server.closed)
+    assert "frame" in server.closed[0] and str(MAX_FRAME) in server.closed[0]
+    loop.call(listener.close)
+
+
+def test_connect_to_nothing_names_the_address():
+    from kvpush.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match=r"127\.0\.0\.1:1"):
+        connect("127.0.0.1", 1, timeout=2)

@@ -1,0 +1,116 @@
+"""The backend plugin manager: entry points, restriction, routing, clear errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvpush.errors import BackendError, BackendNotImplemented, ConfigError
+from kvpush.plugins import Backends
+
+PLUGIN_DIR = Path(__file__).parents[1] / "plugins"
+
+
+@pytest.fixture
+def example_installed(tmp_path, monkeypatch):
+    """kvpush-example-backend installed the way pip installs it: a dist-info with an
+    entry point in the `kvpush.backends` group, on sys.path."""
+    dist = tmp_path / "kvpush_example_backend-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kvpush-example-backend\nVersion: 0.1\n"
+    )
+    (dist / "entry_points.txt").write_text("[kvpush.backends]\nexample = kvpush_example_backend\n")
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("kvpush_example_backend", None)
+
+
+def test_builtins_load_through_the_entry_point_group():
+    backends = Backends()
+    assert {"host", "cuda", "neuron"} <= set(backends.names)
+    for name in ("host", "cuda", "neuron"):
+        assert backends.get(name).source == "built-in"
+    probes = backends.probes()
+    assert probes["host"].present is True
+
+
+def test_third_party_backend_is_found_and_used_for_its_device(example_installed):
+    from kvpush_example_backend import ExampleTensor
+
+    backends = Backends()
+    loaded = backends.get("example")
+    assert loaded.source == "kvpush-example-backend 0.1"
+    tensors = {f"layer.{i}": ExampleTensor((8, 2, 64)) for i in range(2)}
+    kv = backends.describe(tensors, ("blocks", "kv", "bytes"))
+    assert kv.backend == "example"
+    assert kv.layout.num_blocks == 8
+    assert len(kv.layout.layers) == 2
+    assert backends.nixl_backends(kv) == ["UCX"]
+    # The fence is routed to the example backend: queued device writes land.
+    tensors["layer.0"].write((3, 0), 9)
+    assert tensors["layer.0"].memory[3, 0].max() == 0
+    backends.wait_fence(kv, backends.fence(kv, "layer.0"))
+    assert (tensors["layer.0"].memory[3, 0] == 9).all()
+
+
+def test_host_backend_still_claims_host_arrays_beside_a_third_party(example_installed):
+    kv = Backends().describe({"l0": np.zeros((4, 2, 16), dtype=np.float32)}, ("blocks", "kv", "x"))
+    assert kv.backend == "host"
+    assert kv.layout.layers[0][0].part == "KV"
+
+
+def test_environment_restricts_which_backends_load(example_installed, monkeypatch):
+    monkeypatch.setenv("KVPUSH_BACKENDS", "host, example")
+    assert sorted(Backends().names) == ["example", "host"]
+
+
+def test_unknown_backend_name_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("KVPUSH_BACKENDS", "host,tpu")
+    with pytest.raises(ConfigError, match=r"unknown backend\(s\) \['tpu'\]"):
+        Backends()
+
+
+def test_no_backend_for_a_device_names_the_device():
+    class Weird:
+        device = "quantum:3"
+
+    with pytest.raises(BackendError, match="device 'quantum:3'"):
+        Backends(["host"]).describe({"l0": Weird()}, ("blocks",))
+
+
+def test_cuda_and_neuron_say_what_is_not_implemented():
+    class FakeCudaTensor:
+        class device:
+            type = "cuda"
+
+    backends = Backends()
+    missing = backends.get("cuda").info.missing
+    if not missing:
+        pytest.skip("the CUDA backend is fully implemented")
+    with pytest.raises(BackendNotImplemented, match="not implemented for backend 'cuda'"):
+        backends.describe({"l0": FakeCudaTensor()}, ("blocks",))
+
+
+def test_a_backend_that_fails_to_import_is_named(tmp_path, monkeypatch):
+    dist = tmp_path / "broken_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvpush.backends]\nbroken = no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(BackendError, match=r"'broken' .*broken-backend 1\.0.*failed to load"):
+        Backends()
+    assert "broken" not in Backends(["host"]).names
+
+
+def test_routed_hook_missing_in_backend_is_not_silently_skipped(example_installed):
+    from kvpush_example_backend import ExampleTensor
+
+    backends = Backends()
+    kv = backends.describe({"l0": ExampleTensor((4, 2, 8))}, ("blocks", "kv", "bytes"))
+    kv.path = "staged"  # a staged path needs kvpush_stage_blocks, which the example lacks
+    with pytest.raises(BackendNotImplemented, match="kvpush_stage_blocks"):
+        backends.stage(kv, [0], "to_host")
