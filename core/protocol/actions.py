@@ -1,0 +1,83 @@
+"""What the state machines ask the I/O layer to do. Plain records, no behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush.protocol.messages import Message
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `message` to `peer` over the side channel."""
+
+    peer: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Open a session to the producer at `peer` ("host:port")."""
+
+    peer: str
+
+
+@dataclass(frozen=True)
+class PostWrite:
+    """Producer: fence the KV, then WRITE src_blocks into the peer's dst_blocks."""
+
+    transfer_id: str
+    peer: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    notif: bytes
+
+
+@dataclass(frozen=True)
+class PostRead:
+    """Consumer (pull): READ the peer's remote_blocks into local_blocks."""
+
+    transfer_id: str
+    peer: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Consumer: the KV is in the transfer's blocks; the request may proceed."""
+
+    transfer_id: str
+    nbytes: int = 0
+    kv_ready_wall: float = 0.0
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """Consumer: the transfer is over without the KV. Nothing will write into its
+    blocks any more, so the engine may free them or recompute into them."""
+
+    transfer_id: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ReleaseBlocks:
+    """Producer: the engine may free the transfer's source blocks."""
+
+    transfer_id: str
+    outcome: str  # "sent" or a failure reason
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Something worth a metric that is not an I/O action (a rejected message)."""
+
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+Action = (
+    Send | Connect | PostWrite | PostRead | Delivered | TransferFailed | ReleaseBlocks | Counted
+)

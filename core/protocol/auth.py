@@ -1,0 +1,144 @@
+"""Authenticated framing of protocol messages over one connection.
+
+Frame: msgpack [version, seq, mac, payload]. Hellos (seq 0) are signed with the
+shared secret. Once both hellos are in, each direction signs with its own key
+derived from the secret and both sides' nonces, and sequence numbers must rise:
+a message replayed within the session, carried over from another session, or sent
+back to its author fails. Nothing here does I/O; a Session only holds counters.
+
+Rejections raise AuthError or ProtocolError and leave the session unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+
+import msgspec
+from kvpush.errors import AuthError, ConfigError, ProtocolError
+from kvpush.protocol.messages import PROTOCOL_VERSION, Hello, Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+ENV_SECRET = "KVPUSH_SECRET"
+MAC_BYTES = 32
+_frame_decoder = msgspec.msgpack.Decoder(tuple[int, int, bytes, bytes])
+_warned = False
+
+
+def load_secret(configured: str | bytes | None = None, required: bool = False) -> bytes:
+    """The shared secret: configured value, else $KVPUSH_SECRET, else none (warned)."""
+    global _warned
+    value = configured if configured is not None else os.environ.get(ENV_SECRET)
+    if isinstance(value, str):
+        value = value.encode()
+    if value:
+        return value
+    if required:
+        raise ConfigError(f"no shared secret: set {ENV_SECRET} or the 'secret' setting")
+    if not _warned:
+        _warned = True
+        log.warning(
+            "kvpush: no shared secret (%s); control messages are integrity-checked but "
+            "anyone who can reach the side channel can forge them",
+            ENV_SECRET,
+        )
+    return b""
+
+
+def _mac(key: bytes, seq: int, payload: bytes) -> bytes:
+    return hmac.new(key, seq.to_bytes(8, "big") + payload, hashlib.sha256).digest()
+
+
+class Session:
+    """One end of an authenticated connection. `initiator` is the side that connected."""
+
+    def __init__(self, secret: bytes, initiator: bool) -> None:
+        self._secret = secret
+        self.initiator = initiator
+        self.nonce = os.urandom(16)
+        self.peer_hello: Hello | None = None
+        self._send_key = self._recv_key = b""
+        self._sent_hello = False
+        self._seq_out = 0
+        self._seq_in = 0
+
+    @property
+    def established(self) -> bool:
+        return self._sent_hello and self.peer_hello is not None
+
+    def seal(self, message: Message) -> bytes:
+        """The framed, signed bytes of `message`."""
+        payload = encode(message)
+        if isinstance(message, Hello):
+            if self._sent_hello:
+                raise ProtocolError("a session sends one hello")
+            if message.nonce != self.nonce:
+                raise ProtocolError("the hello must carry this session's nonce")
+            self._sent_hello = True
+            self._derive_keys()
+            mac = _mac(self._secret, 0, payload)
+            return msgspec.msgpack.encode((PROTOCOL_VERSION, 0, mac, payload))
+        if not self.established:
+            raise ProtocolError("no message before both hellos")
+        self._seq_out += 1
+        mac = _mac(self._send_key, self._seq_out, payload)
+        return msgspec.msgpack.encode((PROTOCOL_VERSION, self._seq_out, mac, payload))
+
+    def open(self, frame: bytes) -> Message:
+        """The message in `frame`, after checking version, signature and order."""
+        try:
+            version, seq, mac, payload = _frame_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"malformed frame: {exc}") from None
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"peer speaks kvpush protocol version {version}; this side speaks "
+                f"{PROTOCOL_VERSION}"
+            )
+        if len(mac) != MAC_BYTES:
+            raise AuthError("frame signature has the wrong length")
+        if seq == 0:
+            return self._open_hello(mac, payload)
+        if self.peer_hello is None:
+            raise AuthError("message before the peer's hello")
+        if not self._recv_key:
+            raise ProtocolError("message before this side's hello")
+        if not hmac.compare_digest(mac, _mac(self._recv_key, seq, payload)):
+            raise AuthError("bad signature: forged, corrupted, or from another session")
+        if seq <= self._seq_in:
+            raise AuthError(f"replayed message (sequence {seq} after {self._seq_in})")
+        message = decode(payload)
+        if isinstance(message, Hello):
+            raise ProtocolError("hello after the session started")
+        self._seq_in = seq
+        return message
+
+    def _open_hello(self, mac: bytes, payload: bytes) -> Hello:
+        if self.peer_hello is not None:
+            raise AuthError("a second hello in one session (replayed?)")
+        if not hmac.compare_digest(mac, _mac(self._secret, 0, payload)):
+            raise AuthError("bad hello signature: the peer has a different shared secret")
+        message = decode(payload)
+        if not isinstance(message, Hello):
+            raise ProtocolError(f"expected a hello, got {type(message).__name__}")
+        if message.nonce == self.nonce:
+            raise AuthError("the peer's hello carries our own nonce (reflected)")
+        self.peer_hello = message
+        self._derive_keys()
+        return message
+
+    def _derive_keys(self) -> None:
+        if not (self._sent_hello and self.peer_hello is not None):
+            return
+        ours, theirs = self.nonce, self.peer_hello.nonce
+        first, second = (ours, theirs) if self.initiator else (theirs, ours)
+        base = hmac.new(self._secret, b"kvpush-session" + first + second, hashlib.sha256).digest()
+        to_acceptor = hmac.new(base, b"initiator->acceptor", hashlib.sha256).digest()
+        to_initiator = hmac.new(base, b"acceptor->initiator", hashlib.sha256).digest()
+        if self.initiator:
+            self._send_key, self._recv_key = to_acceptor, to_initiator
+        else:
+            self._send_key, self._recv_key = to_initiator, to_acceptor

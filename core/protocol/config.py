@@ -1,0 +1,64 @@
+"""Protocol timing and limits, validated with errors that name the bad key."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.errors import ConfigError
+from kvpush.protocol.messages import MODES
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """Timers, in seconds.
+
+    lease_s: how long a producer holds finished KV nobody has claimed (push), or
+        granted KV nobody released (pull). Consumer heartbeats extend it.
+    registration_ttl_s: how long a producer keeps a registration whose KV is not ready;
+        consumer heartbeats extend it.
+    watchdog_s: how long a consumer waits without a sign of life for a transfer;
+        producer heartbeats (the request is still queued or computing) extend it.
+    heartbeat_s: how often each side says which transfers are still alive.
+    write_grace_s: the longest a WRITE already posted may still be landing, after
+        its producer said nothing more would be posted.
+    landing_s: how long a consumer waits for NIXL's notification after Complete.
+    max_wait_s: the most a consumer waits for one transfer, heartbeats or not, so a
+        producer whose engine hangs cannot keep decode's blocks forever.
+    tombstone_s: how long an ended transfer id is remembered, to answer latecomers.
+    """
+
+    mode: str = "push"
+    lease_s: float = 60.0
+    registration_ttl_s: float = 60.0
+    watchdog_s: float = 30.0
+    heartbeat_s: float = 2.0
+    write_grace_s: float = 2.0
+    landing_s: float = 5.0
+    max_wait_s: float = 600.0
+    tombstone_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for field in dataclasses.fields(self):
+            if field.name == "mode":
+                continue
+            value = getattr(self, field.name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{field.name} must be a positive number, got {value!r}")
+        if self.heartbeat_s * 2 > min(self.lease_s, self.registration_ttl_s, self.watchdog_s):
+            raise ConfigError(
+                f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s, "
+                "registration_ttl_s and watchdog_s, or a live transfer could expire"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> ProtocolConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown protocol setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)

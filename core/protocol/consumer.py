@@ -1,0 +1,423 @@
+"""The consumer (decode) side of a transfer, as a state machine.
+
+Every transfer the engine expects ends in exactly one Delivered or TransferFailed,
+and a TransferFailed comes only once nothing can write into the transfer's blocks
+any more: after the producer said so (Failed, CancelAck, Complete), or after the
+longest time a WRITE it might have posted could still land. Until then the blocks
+stay out of the engine's pool, so a retry can never receive an old transfer's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush.errors import ProtocolError
+from kvpush.protocol.actions import (
+    Action,
+    Connect,
+    Counted,
+    Delivered,
+    PostRead,
+    Send,
+    TransferFailed,
+)
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.messages import (
+    Cancel,
+    CancelAck,
+    Complete,
+    Failed,
+    Grant,
+    Heartbeat,
+    Hello,
+    Message,
+    PullRequest,
+    Register,
+    Release,
+)
+from kvpush.protocol.timers import Deadlines
+
+NOTIF_PREFIX = b"kvpush:"
+
+# States in which the producer may hold our blocks and write into them.
+_PRODUCER_MAY_WRITE = ("registered",)
+
+
+@dataclass
+class _Peer:
+    state: str  # connecting | ready
+    hello: Hello | None = None
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    peer: str
+    blocks: list[int] | None = None
+    skip_blocks: int = 0
+    state: str = "announced"  # announced connecting registered landing requested reading cancelling
+    claimed_at: float = 0.0  # last Register/Heartbeat that extended the producer's hold
+    give_up_at: float = 0.0  # max_wait_s after the blocks were allocated
+    read_deadline: float = 0.0
+    notified: bool = False
+    complete: Complete | None = None
+    cancel_reason: str | None = None
+
+
+class Consumer:
+    """All transfers of one decode worker rank."""
+
+    def __init__(self, config: ProtocolConfig, layout_digest: str) -> None:
+        self.config = config
+        self.layout_digest = layout_digest
+        self._peers: dict[str, _Peer] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._deadlines = Deadlines()
+
+    # -- engine events ---------------------------------------------------------------
+
+    def announce(self, transfer_id: str, peer: str, now: float) -> list[Action]:
+        """A request for `transfer_id` arrived; its blocks are not allocated yet.
+
+        Heartbeats for it start at once, so the producer keeps finished KV for it
+        while this engine's queue drains.
+        """
+        if transfer_id in self._transfers:
+            return []
+        self._transfers[transfer_id] = _Transfer(transfer_id, peer)
+        actions = self._ensure_session(peer)
+        if self._ready(peer):
+            actions.append(Send(peer, Heartbeat([transfer_id])))
+        return actions + self._arm_heartbeat(now)
+
+    def expect(
+        self,
+        transfer_id: str,
+        peer: str,
+        blocks: list[int],
+        now: float,
+        skip_blocks: int = 0,
+    ) -> list[Action]:
+        """Blocks are allocated for `transfer_id`: claim the producer's KV for them."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is not None and transfer.state != "announced":
+            raise ProtocolError(f"transfer {transfer_id!r} is already expected")
+        if transfer is None or transfer.peer != peer:
+            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, peer)
+        transfer.blocks = list(blocks)
+        transfer.skip_blocks = skip_blocks
+        transfer.state = "connecting"
+        transfer.give_up_at = now + self.config.max_wait_s
+        self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
+        actions = self._ensure_session(peer)
+        if self._ready(peer):
+            actions += self._claim(transfer, now)
+        return actions + self._arm_heartbeat(now)
+
+    def abort(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine gave the request up. Its blocks come back only once it is safe."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None or transfer.state == "cancelling":
+            return []
+        cancel = Send(transfer.peer, Cancel(transfer_id, "aborted"))
+        live = self._ready(transfer.peer)
+        if transfer.state == "announced":
+            self._forget(transfer)
+            return [cancel] if live else []
+        if transfer.state == "reading":
+            transfer.cancel_reason = "aborted"  # our own READ ends it
+            return []
+        if transfer.state in ("connecting", "landing", "requested"):
+            # Nobody else writes into these blocks (not claimed yet, already written,
+            # or pull, where only our own READ would).
+            return ([cancel] if live else []) + self._fail(transfer, "aborted")
+        return ([cancel] if live else []) + self._start_cancel(transfer, "aborted", now)
+
+    # -- session events --------------------------------------------------------------
+
+    def on_ready(self, peer: str, hello: Hello, now: float) -> list[Action]:
+        """The handshake with the producer at `peer` completed."""
+        self._peers[peer] = _Peer("ready", hello)
+        actions: list[Action] = []
+        waiting = [t for t in self._transfers.values() if t.peer == peer]
+        announced = [t.transfer_id for t in waiting if t.state == "announced"]
+        if announced:
+            actions.append(Send(peer, Heartbeat(announced)))
+        for transfer in waiting:
+            if transfer.state == "connecting":
+                actions += self._claim(transfer, now)
+        return actions
+
+    def on_handshake_failed(self, peer: str, reason: str, now: float) -> list[Action]:
+        """The session to `peer` could not be set up; nothing was claimed there."""
+        self._peers.pop(peer, None)
+        actions: list[Action] = []
+        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
+            if transfer.state == "announced":
+                self._forget(transfer)
+            elif transfer.state == "connecting":
+                actions += self._fail(transfer, "handshake_failed", reason)
+        return actions
+
+    def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
+        """The side channel to the producer closed (it died, or the network did)."""
+        self._peers.pop(peer, None)
+        actions: list[Action] = []
+        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
+            if transfer.state == "announced":
+                self._forget(transfer)
+            elif transfer.state in ("connecting", "requested", "landing"):
+                actions += self._fail(transfer, "peer_lost", reason)
+            elif transfer.state == "reading":
+                transfer.cancel_reason = transfer.cancel_reason or "peer_lost"
+            elif transfer.state == "registered":
+                # A WRITE it posted before dying may still be landing: wait that long.
+                transfer.state = "cancelling"
+                transfer.cancel_reason = "peer_lost"
+                self._deadlines.cancel(("watchdog", transfer.transfer_id))
+                self._deadlines.set(
+                    ("settle", transfer.transfer_id), now + self.config.write_grace_s
+                )
+            elif transfer.state == "cancelling":
+                settle = min(
+                    self._deadlines.get(("settle", transfer.transfer_id)) or float("inf"),
+                    now + self.config.write_grace_s,
+                )
+                self._deadlines.set(("settle", transfer.transfer_id), settle)
+        return actions
+
+    def on_message(self, peer: str, message: Message, now: float) -> list[Action]:
+        transfer_id = getattr(message, "transfer_id", None)
+        transfer = self._transfers.get(transfer_id) if transfer_id else None
+        if isinstance(message, Heartbeat):
+            return self._on_heartbeat(peer, message, now)
+        if transfer is None or transfer.peer != peer:
+            return [Counted("rejected_messages", {"why": "unknown_transfer"})]
+        if isinstance(message, Complete):
+            return self._on_complete(transfer, message, now)
+        if isinstance(message, Failed):
+            return self._on_failed(transfer, message)
+        if isinstance(message, CancelAck):
+            if transfer.state != "cancelling":
+                return [Counted("rejected_messages", {"why": "unexpected_cancel_ack"})]
+            return self._fail(transfer, transfer.cancel_reason or "aborted")
+        if isinstance(message, Grant):
+            return self._on_grant(transfer, message, now)
+        return [Counted("rejected_messages", {"why": f"unexpected_{type(message).__name__}"})]
+
+    def on_notif(self, peer: str, notif: bytes, now: float) -> list[Action]:
+        """NIXL delivered a WRITE's notification: its bytes have landed."""
+        if not notif.startswith(NOTIF_PREFIX):
+            return [Counted("rejected_notifs", {"why": "foreign"})]
+        transfer_id = notif[len(NOTIF_PREFIX) :].decode(errors="replace")
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            return [Counted("rejected_notifs", {"why": "unknown_transfer"})]
+        transfer.notified = True
+        if transfer.state == "landing":
+            return self._deliver(transfer)
+        return []
+
+    def on_read_done(
+        self, transfer_id: str, ok: bool, now: float, detail: str = ""
+    ) -> list[Action]:
+        """Pull: our READ finished (ok) or failed."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None or transfer.state != "reading":
+            return [Counted("unexpected_read_completion")]
+        actions: list[Action] = []
+        if self._ready(transfer.peer):
+            actions.append(Send(transfer.peer, Release(transfer_id)))
+        if transfer.cancel_reason:
+            return actions + self._fail(transfer, transfer.cancel_reason)
+        if not ok:
+            return actions + self._fail(transfer, "read_failed", detail)
+        if now > transfer.read_deadline:
+            return actions + self._fail(transfer, "lease_expired", "the read outlasted its lease")
+        return actions + self._deliver(transfer)
+
+    # -- time ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for kind, key in self._deadlines.pop_expired(now):
+            if kind == "heartbeat":
+                actions += self._heartbeats(now)
+                continue
+            transfer = self._transfers.get(key)
+            if transfer is None:
+                continue
+            if kind == "watchdog":
+                actions += self._on_watchdog(transfer, now)
+            elif kind == "landing" and transfer.state == "landing":
+                detail = "the producer completed but NIXL's notification never came"
+                actions += self._fail(transfer, "write_failed", detail)
+            elif kind == "settle" and transfer.state == "cancelling":
+                actions += self._fail(transfer, transfer.cancel_reason or "aborted")
+        return actions
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next_deadline()
+
+    def landing(self) -> bool:
+        """True while a completed WRITE's notification is still to be polled for."""
+        return any(t.state == "landing" for t in self._transfers.values())
+
+    # -- internals -------------------------------------------------------------------
+
+    def _ready(self, peer: str) -> bool:
+        record = self._peers.get(peer)
+        return record is not None and record.state == "ready"
+
+    def _ensure_session(self, peer: str) -> list[Action]:
+        if peer in self._peers:
+            return []
+        self._peers[peer] = _Peer("connecting")
+        return [Connect(peer)]
+
+    def _claim(self, transfer: _Transfer, now: float) -> list[Action]:
+        """Tell the producer what we want: destinations (push) or a read lease (pull)."""
+        assert transfer.blocks is not None
+        transfer.claimed_at = now
+        if self.config.mode == "push":
+            transfer.state = "registered"
+            message: Message = Register(
+                transfer.transfer_id, [transfer.blocks], self.layout_digest, transfer.skip_blocks
+            )
+        else:
+            transfer.state = "requested"
+            message = PullRequest(transfer.transfer_id, len(transfer.blocks))
+        return [Send(transfer.peer, message)]
+
+    def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
+        for transfer_id in message.transfer_ids:
+            transfer = self._transfers.get(transfer_id)
+            if transfer is not None and transfer.peer == peer:
+                deadline = min(now + self.config.watchdog_s, transfer.give_up_at)
+                self._deadlines.extend(("watchdog", transfer_id), deadline)
+        return []
+
+    def _on_complete(self, transfer: _Transfer, message: Complete, now: float) -> list[Action]:
+        if transfer.state == "cancelling":
+            # The producer is done with our blocks: the cancel is settled.
+            return self._fail(transfer, transfer.cancel_reason or "aborted")
+        if transfer.state != "registered":
+            return [Counted("rejected_messages", {"why": "unexpected_complete"})]
+        transfer.complete = message
+        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        if transfer.notified or not message.notif:
+            return self._deliver(transfer)
+        transfer.state = "landing"
+        self._deadlines.set(("landing", transfer.transfer_id), now + self.config.landing_s)
+        return []
+
+    def _on_failed(self, transfer: _Transfer, message: Failed) -> list[Action]:
+        if transfer.state == "reading":
+            transfer.cancel_reason = message.reason  # our READ still runs; it ends it
+            return []
+        # The producer wrote nothing more after saying so: the blocks are ours again.
+        return self._fail(transfer, message.reason, message.detail)
+
+    def _on_grant(self, transfer: _Transfer, message: Grant, now: float) -> list[Action]:
+        if transfer.state != "requested":
+            return [Counted("rejected_messages", {"why": "unexpected_grant"})]
+        assert transfer.blocks is not None
+        # The lease started when the producer answered, after we asked: counting from
+        # the ask (minus a margin for the READ itself) keeps us inside it.
+        transfer.read_deadline = transfer.claimed_at + message.lease_s - self.config.write_grace_s
+        remote = message.block_ids[0] if len(message.block_ids) == 1 else []
+        problem = self._check_grant(transfer, remote)
+        if problem or now >= transfer.read_deadline:
+            reason = "bad_blocks" if problem else "lease_expired"
+            release = Send(transfer.peer, Release(transfer.transfer_id))
+            return [release] + self._fail(transfer, reason, problem or "the grant came too late")
+        transfer.state = "reading"
+        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        return [PostRead(transfer.transfer_id, transfer.peer, list(transfer.blocks), remote)]
+
+    def _check_grant(self, transfer: _Transfer, remote: list[int]) -> str:
+        producer = self._peers[transfer.peer].hello
+        assert transfer.blocks is not None and producer is not None
+        if len(remote) != len(transfer.blocks):
+            return f"granted {len(remote)} blocks for {len(transfer.blocks)} asked"
+        bad = [b for b in remote if b >= producer.layout.num_blocks]
+        if bad:
+            return (
+                f"granted block ids {bad[:8]} outside the producer's {producer.layout.num_blocks}"
+            )
+        return ""
+
+    def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:
+        if transfer.state == "connecting":
+            return self._fail(transfer, "watchdog_expired", "no session with the producer")
+        cancel = Send(transfer.peer, Cancel(transfer.transfer_id, "watchdog_expired"))
+        if transfer.state == "requested":
+            return [cancel] + self._fail(transfer, "watchdog_expired", "no grant in time")
+        if transfer.state in _PRODUCER_MAY_WRITE:
+            return [cancel] + self._start_cancel(transfer, "watchdog_expired", now)
+        return []
+
+    def _start_cancel(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
+        """Hold the blocks until the producer acks, or until it provably cannot write.
+
+        The producer posts WRITEs only while its registration is alive, which ends
+        `registration_ttl_s` after the last claim we sent; a WRITE posted just before
+        then lands within `write_grace_s`.
+        """
+        transfer.state = "cancelling"
+        transfer.cancel_reason = reason
+        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        hello = self._peers[transfer.peer].hello if transfer.peer in self._peers else None
+        ttl = hello.registration_ttl_s if hello else self.config.registration_ttl_s
+        settle = transfer.claimed_at + ttl + self.config.write_grace_s
+        self._deadlines.set(("settle", transfer.transfer_id), max(settle, now))
+        return []
+
+    def _heartbeats(self, now: float) -> list[Action]:
+        wanted: dict[str, list[str]] = {}
+        for transfer in self._transfers.values():
+            alive = transfer.state in ("announced", "registered", "requested", "reading")
+            if alive and self._ready(transfer.peer):
+                wanted.setdefault(transfer.peer, []).append(transfer.transfer_id)
+                if transfer.state == "registered":
+                    transfer.claimed_at = now
+        if self._transfers:
+            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+        return [Send(peer, Heartbeat(tids)) for peer, tids in wanted.items()]
+
+    def _arm_heartbeat(self, now: float) -> list[Action]:
+        if ("heartbeat", "") not in self._deadlines:
+            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+        return []
+
+    def _deliver(self, transfer: _Transfer) -> list[Action]:
+        complete = transfer.complete
+        self._forget(transfer)
+        return [
+            Delivered(
+                transfer.transfer_id,
+                complete.nbytes if complete else 0,
+                complete.kv_ready_wall if complete else 0.0,
+            )
+        ]
+
+    def _fail(self, transfer: _Transfer, reason: str, detail: str = "") -> list[Action]:
+        self._forget(transfer)
+        if transfer.blocks is None:
+            return []
+        return [TransferFailed(transfer.transfer_id, reason, detail)]
+
+    def _forget(self, transfer: _Transfer) -> None:
+        self._transfers.pop(transfer.transfer_id, None)
+        for kind in ("watchdog", "landing", "settle"):
+            self._deadlines.cancel((kind, transfer.transfer_id))
+
+    # -- inspection ------------------------------------------------------------------
+
+    def waiting(self) -> list[str]:
+        """Transfers with blocks that have not ended yet."""
+        return [t.transfer_id for t in self._transfers.values() if t.blocks is not None]
+
+    def state_of(self, transfer_id: str) -> str | None:
+        transfer = self._transfers.get(transfer_id)
+        return transfer.state if transfer else None

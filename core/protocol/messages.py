@@ -1,0 +1,211 @@
+"""Every message between a producer (prefill) and a consumer (decode), and their codec.
+
+Messages are msgspec structs tagged by kind, packed with msgpack. They travel inside
+an authenticated envelope (see `kvpush.protocol.auth`); this module only turns
+bytes into typed messages and back, refusing anything malformed with a
+ProtocolError that says what was wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+from kvpush.errors import ProtocolError
+from kvpush.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+MODES = ("push", "pull")
+MAX_BLOCKS = 1 << 20
+MAX_TRANSFER_ID = 256
+
+# Failure reasons carried by Failed and Cancel, and reported to the engine.
+REASONS = (
+    "write_failed",  # the producer could not post or complete the WRITE
+    "read_failed",  # the consumer's READ failed (pull)
+    "handshake_failed",  # the peers could not pair: version, mode, layout, auth, metadata
+    "aborted",  # either side's engine aborted the request
+    "lease_expired",  # the producer freed the KV before the consumer claimed it
+    "watchdog_expired",  # the consumer heard nothing in time
+    "registration_expired",  # the producer never got the KV for a registration in time
+    "bad_blocks",  # block ids out of range, wrong count, or a stale layout
+    "conflict",  # the transfer id is already bound to another consumer or other blocks
+    "unknown_transfer",  # the producer has no such transfer (pull) or forgot it
+    "peer_lost",  # the side channel to the peer closed
+    "shutdown",  # a side is shutting down
+)
+
+
+class Identity(msgspec.Struct, frozen=True):
+    """Who a worker is: engine, rank within its TP group, and this boot's epoch."""
+
+    engine_id: str
+    rank: int = 0
+    world: int = 1
+    epoch: str = ""
+
+    def label(self) -> str:
+        return f"{self.engine_id}/rank{self.rank}@{self.epoch}"
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """First message each way: who I am, how I transfer, where my KV lives."""
+
+    identity: Identity
+    mode: str
+    role: str  # "producer" | "consumer" | "both"
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+    nonce: bytes
+    lease_s: float
+    registration_ttl_s: float
+
+
+class Reject(msgspec.Struct, tag="reject", frozen=True):
+    """The handshake failed; `reason` says why in words."""
+
+    reason: str
+
+
+class Register(msgspec.Struct, tag="register", frozen=True):
+    """Push: the consumer's destination blocks for a transfer.
+
+    `skip_blocks` leading blocks of the producer's KV are already on the consumer
+    (prefix cache) and are not written; `block_ids[g]` are the destinations in
+    cache group g, in order.
+    """
+
+    transfer_id: str
+    block_ids: list[list[int]]
+    layout_digest: str
+    skip_blocks: int = 0
+
+
+class PullRequest(msgspec.Struct, tag="pull_request", frozen=True):
+    """Pull: the consumer asks for a transfer's source blocks and a read lease."""
+
+    transfer_id: str
+    num_blocks: int
+
+
+class Grant(msgspec.Struct, tag="grant", frozen=True):
+    """Pull: the producer's source blocks, readable for `lease_s` from when it was asked."""
+
+    transfer_id: str
+    block_ids: list[list[int]]
+    lease_s: float
+
+
+class Complete(msgspec.Struct, tag="complete", frozen=True):
+    """Push: the WRITE finished; its NIXL notification carries `notif` too."""
+
+    transfer_id: str
+    notif: bytes
+    nbytes: int
+    kv_ready_wall: float
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """Pull: the consumer is done reading; the producer may free the blocks."""
+
+    transfer_id: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """These transfers are still wanted (consumer) or still coming (producer)."""
+
+    transfer_ids: list[str]
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    """The sender abandons a transfer; the producer answers CancelAck once nothing
+    more will be written for it."""
+
+    transfer_id: str
+    reason: str
+
+
+class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True):
+    transfer_id: str
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    """The transfer is over and failed; the sender writes nothing more for it."""
+
+    transfer_id: str
+    reason: str
+    detail: str = ""
+
+
+Message = Union[  # noqa: UP007 - msgspec needs the Union spelling for tagged unions
+    Hello,
+    Reject,
+    Register,
+    PullRequest,
+    Grant,
+    Complete,
+    Release,
+    Heartbeat,
+    Cancel,
+    CancelAck,
+    Failed,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """A typed message, or ProtocolError saying why the bytes are not one."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"a message must be bytes, got {type(data).__name__}")
+    try:
+        message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from None
+    except Exception as exc:  # a layout that fails its own checks, for one
+        raise ProtocolError(f"malformed message: {exc}") from None
+    check(message)
+    return message
+
+
+def check(message: Message) -> None:
+    """Semantic checks msgspec's types cannot express."""
+    transfer_id = getattr(message, "transfer_id", None)
+    if transfer_id is not None:
+        check_transfer_id(transfer_id)
+    reason = getattr(message, "reason", None)
+    if isinstance(message, Cancel | Failed) and reason not in REASONS:
+        raise ProtocolError(f"unknown failure reason {reason!r}")
+    if isinstance(message, Hello):
+        if message.mode not in MODES:
+            raise ProtocolError(f"unknown transfer mode {message.mode!r}")
+        if len(message.nonce) < 16:
+            raise ProtocolError("hello nonce is too short")
+    if isinstance(message, Register | Grant):
+        check_block_lists(message.block_ids)
+    if isinstance(message, Register) and message.skip_blocks < 0:
+        raise ProtocolError(f"skip_blocks must be >= 0, got {message.skip_blocks}")
+    if isinstance(message, Heartbeat):
+        for tid in message.transfer_ids:
+            check_transfer_id(tid)
+
+
+def check_transfer_id(transfer_id: str) -> None:
+    if not transfer_id or len(transfer_id) > MAX_TRANSFER_ID or not transfer_id.isprintable():
+        raise ProtocolError(f"invalid transfer id {transfer_id[:40]!r}")
+
+
+def check_block_lists(block_ids: list[list[int]]) -> None:
+    if not block_ids:
+        raise ProtocolError("block id list has no cache group")
+    if sum(len(group) for group in block_ids) > MAX_BLOCKS:
+        raise ProtocolError("block id list is too long")
+    for group in block_ids:
+        if any(b < 0 for b in group):
+            raise ProtocolError("block ids must be >= 0")

@@ -1,0 +1,375 @@
+"""The producer (prefill) side of a transfer, as a state machine.
+
+Events come in as method calls with the current time; the returned actions say what
+to send, what to WRITE and when the engine may free a request's blocks. No sockets,
+threads or clocks: the I/O layer (kvpush.runtime) does those.
+
+For every transfer whose KV became ready the producer emits exactly one
+ReleaseBlocks; it never posts a WRITE into blocks the consumer did not register,
+nor after it told the consumer nothing more would come.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush.protocol.actions import Action, Counted, PostWrite, ReleaseBlocks, Send
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.messages import (
+    Cancel,
+    CancelAck,
+    Complete,
+    Failed,
+    Grant,
+    Heartbeat,
+    Hello,
+    Message,
+    PullRequest,
+    Register,
+    Release,
+)
+from kvpush.protocol.timers import Deadlines
+
+
+@dataclass
+class _Peer:
+    hello: Hello
+
+    @property
+    def num_blocks(self) -> int:
+        return self.hello.layout.num_blocks
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    kv_blocks: list[int] | None = None  # source blocks, once the KV is ready
+    kv_ready_wall: float = 0.0
+    in_engine: bool = False  # the engine holds the request (queued or computing)
+    peer: str | None = None  # the consumer it is bound to
+    dst_blocks: list[int] | None = None  # push: registered destinations
+    skip_blocks: int = 0
+    pull_blocks: int = 0  # pull: blocks the consumer asked for
+    state: str = "waiting"  # waiting | writing | granted
+    cancel_reason: str | None = None  # a cancel or abort arrived while writing
+    cancelled_by_peer: bool = False
+
+
+class Producer:
+    """All transfers of one prefill worker rank."""
+
+    def __init__(self, config: ProtocolConfig) -> None:
+        self.config = config
+        self._peers: dict[str, _Peer] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._tombstones: dict[str, str] = {}  # ended transfer id -> why
+        self._deadlines = Deadlines()
+        self._next_heartbeat: float | None = None
+
+    # -- sessions --------------------------------------------------------------------
+
+    def on_ready(self, peer: str, hello: Hello, now: float) -> list[Action]:
+        """A consumer completed its handshake as `peer`."""
+        self._peers[peer] = _Peer(hello)
+        return []
+
+    def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
+        """The consumer's side channel closed: drop what it claimed, free what it held."""
+        self._peers.pop(peer, None)
+        actions: list[Action] = []
+        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
+            if transfer.state != "writing":  # a WRITE in flight ends by its completion
+                actions += self._end(transfer, "peer_lost", now)
+        return actions
+
+    # -- engine events ---------------------------------------------------------------
+
+    def kv_pending(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine has the request: registrations for it are worth keeping."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None and transfer_id not in self._tombstones:
+            transfer = self._transfers[transfer_id] = _Transfer(transfer_id)
+            self._deadlines.set(("reg", transfer_id), now + self.config.registration_ttl_s)
+        if transfer is not None:
+            transfer.in_engine = True
+        return self._arm_heartbeat(now)
+
+    def kv_ready(
+        self, transfer_id: str, block_ids: list[int], now: float, ready_wall: float = 0.0
+    ) -> list[Action]:
+        """The request's KV is computed (and will be fenced before any WRITE)."""
+        if transfer_id in self._tombstones:
+            return [ReleaseBlocks(transfer_id, self._tombstones[transfer_id])]
+        transfer = self._transfers.setdefault(transfer_id, _Transfer(transfer_id))
+        if transfer.kv_blocks is not None:
+            return [Counted("duplicate_kv_ready")]
+        transfer.kv_blocks = list(block_ids)
+        transfer.kv_ready_wall = ready_wall
+        transfer.in_engine = False
+        self._deadlines.cancel(("reg", transfer_id))
+        if transfer.dst_blocks is not None:
+            return self._write(transfer, now)
+        if transfer.pull_blocks and transfer.peer is not None:
+            return self._grant(transfer, now)
+        lease = max(now + self.config.lease_s, self._deadlines.get(("claim", transfer_id)) or 0)
+        self._deadlines.cancel(("claim", transfer_id))
+        self._deadlines.set(("lease", transfer_id), lease)
+        return []
+
+    def abort(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine dropped the request (client gone, router cancelled the leg)."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            self._tombstone(transfer_id, "aborted", now)
+            return []
+        if transfer.state == "writing":
+            transfer.cancel_reason = transfer.cancel_reason or "aborted"
+            return []
+        return self._end(transfer, "aborted", now, notify=True)
+
+    def on_write_done(
+        self, transfer_id: str, ok: bool, now: float, detail: str = "", nbytes: int = 0
+    ) -> list[Action]:
+        """The WRITE for `transfer_id` completed (ok) or failed; either way it is over."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None or transfer.state != "writing":
+            return [Counted("unexpected_write_completion")]
+        peer = transfer.peer
+        if transfer.cancel_reason is not None:
+            outcome = transfer.cancel_reason
+            message: Message = (
+                CancelAck(transfer_id)
+                if transfer.cancelled_by_peer
+                else Failed(transfer_id, outcome, "the prefill request was aborted")
+            )
+        elif ok:
+            message = Complete(transfer_id, _notif(transfer_id), nbytes, transfer.kv_ready_wall)
+            outcome = "sent"
+        else:
+            message = Failed(transfer_id, "write_failed", detail)
+            outcome = "write_failed"
+        actions: list[Action] = [Send(peer, message)] if peer in self._peers else []
+        return actions + self._end(transfer, outcome, now)
+
+    # -- messages --------------------------------------------------------------------
+
+    def on_message(self, peer: str, message: Message, now: float) -> list[Action]:
+        if peer not in self._peers:
+            return [Counted("rejected_messages", {"why": "no_session"})]
+        if isinstance(message, Register):
+            return self._on_register(peer, message, now)
+        if isinstance(message, PullRequest):
+            return self._on_pull_request(peer, message, now)
+        if isinstance(message, Release):
+            return self._on_release(peer, message, now)
+        if isinstance(message, Heartbeat):
+            return self._on_heartbeat(peer, message, now)
+        if isinstance(message, Cancel):
+            return self._on_cancel(peer, message, now)
+        return [Counted("rejected_messages", {"why": f"unexpected_{type(message).__name__}"})]
+
+    def _on_register(self, peer: str, message: Register, now: float) -> list[Action]:
+        tid = message.transfer_id
+        if self.config.mode != "push":
+            return [Send(peer, Failed(tid, "handshake_failed", "this producer is in pull mode"))]
+        if tid in self._tombstones:
+            return [Send(peer, Failed(tid, self._tombstones[tid], "the transfer already ended"))]
+        problem = self._check_destinations(peer, message)
+        if problem:
+            return [Send(peer, Failed(tid, "bad_blocks", problem))]
+        transfer = self._transfers.setdefault(tid, _Transfer(tid))
+        destinations = message.block_ids[0]
+        if transfer.peer is not None:
+            same = transfer.peer == peer and transfer.dst_blocks == destinations
+            if same:
+                return [Counted("duplicate_registrations")]
+            return [Send(peer, Failed(tid, "conflict", "transfer id is bound to another claim"))]
+        transfer.peer = peer
+        transfer.dst_blocks = list(destinations)
+        transfer.skip_blocks = message.skip_blocks
+        if transfer.kv_blocks is not None:
+            return self._write(transfer, now)
+        self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+        return self._arm_heartbeat(now)
+
+    def _check_destinations(self, peer: str, message: Register) -> str | None:
+        consumer = self._peers[peer]
+        if message.layout_digest != consumer.hello.layout.digest():
+            return "the registration names a KV layout other than the one in the handshake"
+        if len(message.block_ids) != 1:
+            return f"{len(message.block_ids)} KV cache groups; one is supported"
+        bad = [b for b in message.block_ids[0] if b >= consumer.num_blocks]
+        if bad:
+            return f"block ids {bad[:8]} out of range: the consumer has {consumer.num_blocks}"
+        if len(set(message.block_ids[0])) != len(message.block_ids[0]):
+            return "a destination block appears twice"
+        return None
+
+    def _write(self, transfer: _Transfer, now: float) -> list[Action]:
+        """Both halves are here: check the counts and post the WRITE."""
+        assert transfer.kv_blocks is not None and transfer.dst_blocks is not None
+        self._deadlines.cancel(("lease", transfer.transfer_id))
+        self._deadlines.cancel(("reg", transfer.transfer_id))
+        sources = transfer.kv_blocks[transfer.skip_blocks :]
+        destinations = transfer.dst_blocks
+        if len(destinations) > len(sources):
+            detail = (
+                f"{len(destinations)} destination blocks for {len(sources)} source blocks "
+                f"(after skipping {transfer.skip_blocks})"
+            )
+            return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
+        if not destinations:
+            # The consumer holds every block already (prefix cache): nothing to move.
+            complete = Complete(transfer.transfer_id, b"", 0, transfer.kv_ready_wall)
+            return [Send(transfer.peer, complete)] + self._end(transfer, "sent", now)
+        transfer.state = "writing"
+        return [
+            PostWrite(
+                transfer.transfer_id,
+                transfer.peer,
+                sources[: len(destinations)],
+                destinations,
+                _notif(transfer.transfer_id),
+            )
+        ]
+
+    def _on_pull_request(self, peer: str, message: PullRequest, now: float) -> list[Action]:
+        tid = message.transfer_id
+        if self.config.mode != "pull":
+            return [Send(peer, Failed(tid, "handshake_failed", "this producer is in push mode"))]
+        if tid in self._tombstones:
+            return [Send(peer, Failed(tid, self._tombstones[tid], "the transfer already ended"))]
+        transfer = self._transfers.setdefault(tid, _Transfer(tid))
+        if transfer.peer is not None and transfer.peer != peer:
+            return [Send(peer, Failed(tid, "conflict", "another consumer is reading it"))]
+        if message.num_blocks <= 0:
+            return [Send(peer, Failed(tid, "bad_blocks", "a pull must ask for at least a block"))]
+        transfer.peer = peer
+        transfer.pull_blocks = message.num_blocks
+        if transfer.kv_blocks is not None:
+            return self._grant(transfer, now)
+        self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+        return []
+
+    def _grant(self, transfer: _Transfer, now: float) -> list[Action]:
+        assert transfer.kv_blocks is not None
+        if transfer.pull_blocks > len(transfer.kv_blocks):
+            detail = f"{transfer.pull_blocks} blocks asked, {len(transfer.kv_blocks)} held"
+            return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
+        transfer.state = "granted"
+        self._deadlines.cancel(("reg", transfer.transfer_id))
+        self._deadlines.set(("lease", transfer.transfer_id), now + self.config.lease_s)
+        blocks = transfer.kv_blocks[: transfer.pull_blocks]
+        return [Send(transfer.peer, Grant(transfer.transfer_id, [blocks], self.config.lease_s))]
+
+    def _on_release(self, peer: str, message: Release, now: float) -> list[Action]:
+        transfer = self._transfers.get(message.transfer_id)
+        if transfer is None or transfer.peer != peer or transfer.state != "granted":
+            return [Counted("rejected_messages", {"why": "unexpected_release"})]
+        return self._end(transfer, "sent", now)
+
+    def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
+        for tid in message.transfer_ids:
+            transfer = self._transfers.get(tid)
+            if transfer is None:
+                if tid not in self._tombstones:
+                    # A consumer already waits for KV this engine has not produced yet.
+                    self._deadlines.set(("claim", tid), now + self.config.lease_s)
+                continue
+            if transfer.peer not in (None, peer):
+                continue
+            self._deadlines.extend(("lease", tid), now + self.config.lease_s)
+            self._deadlines.extend(("reg", tid), now + self.config.registration_ttl_s)
+        return []
+
+    def _on_cancel(self, peer: str, message: Cancel, now: float) -> list[Action]:
+        tid = message.transfer_id
+        transfer = self._transfers.get(tid)
+        if transfer is None or transfer.peer not in (None, peer):
+            self._tombstone(tid, "aborted", now)
+            return [Send(peer, CancelAck(tid))]
+        if transfer.state == "writing":
+            # The WRITE cannot be recalled; the ack goes out when it is over.
+            transfer.cancel_reason = message.reason
+            transfer.cancelled_by_peer = True
+            return []
+        if transfer.kv_blocks is not None:
+            return [Send(peer, CancelAck(tid))] + self._end(transfer, message.reason, now)
+        self._transfers.pop(tid)
+        self._deadlines.cancel(("reg", tid))
+        self._tombstone(tid, message.reason, now)
+        return [Send(peer, CancelAck(tid))]
+
+    # -- time ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for kind, tid in self._deadlines.pop_expired(now):
+            if kind == "tomb":
+                self._tombstones.pop(tid, None)
+            elif kind == "heartbeat":
+                actions += self._heartbeats(now)
+            elif kind == "lease" and tid in self._transfers:
+                actions += self._end(self._transfers[tid], "lease_expired", now, notify=True)
+            elif kind == "reg" and tid in self._transfers:
+                transfer = self._transfers[tid]
+                if transfer.in_engine and transfer.peer is None:
+                    # Nobody claimed it yet and the engine still works on it: keep waiting.
+                    self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+                    continue
+                actions += self._end(transfer, "registration_expired", now, notify=True)
+        return actions
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next_deadline()
+
+    def _arm_heartbeat(self, now: float) -> list[Action]:
+        if ("heartbeat", "") not in self._deadlines:
+            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+        return []
+
+    def _heartbeats(self, now: float) -> list[Action]:
+        """Tell each consumer which of its registrations are still being computed."""
+        waiting: dict[str, list[str]] = {}
+        for transfer in self._transfers.values():
+            computing = transfer.kv_blocks is None and transfer.in_engine
+            if transfer.peer in self._peers and (computing or transfer.state == "writing"):
+                waiting.setdefault(transfer.peer, []).append(transfer.transfer_id)
+        if any(t.kv_blocks is None for t in self._transfers.values()):
+            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+        return [Send(peer, Heartbeat(tids)) for peer, tids in waiting.items()]
+
+    # -- endings ---------------------------------------------------------------------
+
+    def _end(
+        self, transfer: _Transfer, outcome: str, now: float, notify: bool = False, detail: str = ""
+    ) -> list[Action]:
+        """Forget the transfer; free its KV (once) and tell its consumer if asked."""
+        tid = transfer.transfer_id
+        self._transfers.pop(tid, None)
+        for kind in ("lease", "reg", "claim"):
+            self._deadlines.cancel((kind, tid))
+        self._tombstone(tid, outcome if outcome != "sent" else "completed", now)
+        actions: list[Action] = []
+        if notify and transfer.peer in self._peers:
+            actions.append(Send(transfer.peer, Failed(tid, outcome, detail)))
+        if transfer.kv_blocks is not None:
+            actions.append(ReleaseBlocks(tid, outcome))
+        return actions
+
+    def _tombstone(self, transfer_id: str, why: str, now: float) -> None:
+        self._tombstones[transfer_id] = why
+        self._deadlines.set(("tomb", transfer_id), now + self.config.tombstone_s)
+
+    # -- inspection (tests, metrics) -------------------------------------------------
+
+    def holding(self) -> list[str]:
+        """Transfers whose KV blocks the producer still holds."""
+        return [t.transfer_id for t in self._transfers.values() if t.kv_blocks is not None]
+
+    def active(self) -> int:
+        return len(self._transfers)
+
+
+def _notif(transfer_id: str) -> bytes:
+    return b"kvpush:" + transfer_id.encode()

@@ -1,0 +1,334 @@
+"""A producer and consumers wired through an in-memory network and a fake NIXL.
+
+The simulation keeps block ledgers for both engines and a record of whose bytes sit
+in every consumer block, so the checks catch what matters: a block freed twice, a
+block leaked, a WRITE landing in a block that is free or belongs to another
+transfer, a source block freed while a WRITE still reads it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpush.layout import BlockRun, KVLayout
+from kvpush.protocol import actions as act
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.messages import Hello, Identity
+from kvpush.protocol.producer import Producer
+from kvpush.regions import MemRegion
+
+PRODUCER = "prefill:7000"
+
+
+def layout(num_blocks: int, base: int = 0x100000) -> KVLayout:
+    region = MemRegion(base, num_blocks * 1024)
+    return KVLayout(
+        (region,), ((BlockRun(base, 1024, 1024, "mixed"),),), num_blocks, 16, "f32", "x"
+    )
+
+
+def hello(role: str, mode: str, blocks: int, name: str, base: int, config: ProtocolConfig) -> Hello:
+    return Hello(
+        identity=Identity(name, 0, 1, "epoch1"),
+        mode=mode,
+        role=role,
+        agent_name=name,
+        agent_metadata=b"md",
+        layout=layout(blocks, base),
+        nonce=b"n" * 16,
+        lease_s=config.lease_s,
+        registration_ttl_s=config.registration_ttl_s,
+    )
+
+
+class Ledger:
+    """Blocks of one engine: each allocated to one owner, freed exactly once."""
+
+    def __init__(self, side: str, size: int) -> None:
+        self.side = side
+        self.free = list(range(size))
+        self.owner: dict[int, str] = {}
+        self.live: set[str] = set()
+        self.errors: list[str] = []
+
+    def alloc(self, owner: str, count: int) -> list[int]:
+        self.live.add(owner)
+        blocks, self.free = self.free[:count], self.free[count:]
+        assert len(blocks) == count, f"{self.side}: out of blocks"
+        for block in blocks:
+            self.owner[block] = owner
+        return blocks
+
+    def release(self, owner: str) -> None:
+        if owner not in self.live:
+            self.errors.append(f"{self.side}: {owner} freed twice or never allocated")
+        self.live.discard(owner)
+        blocks = [b for b, o in self.owner.items() if o == owner]
+        for block in blocks:
+            del self.owner[block]
+            self.free.append(block)
+
+    def holds(self, owner: str, blocks: list[int]) -> bool:
+        return all(self.owner.get(b) == owner for b in blocks)
+
+
+@dataclass
+class ConsumerSide:
+    name: str
+    machine: Consumer
+    hello: Hello
+    ledger: Ledger
+    memory: dict[int, str] = field(default_factory=dict)  # block -> transfer whose bytes
+    expected: dict[str, list[int]] = field(default_factory=dict)
+    delivered: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    reads: dict[str, act.PostRead] = field(default_factory=dict)
+
+
+class Sim:
+    def __init__(
+        self,
+        mode: str = "push",
+        config: ProtocolConfig | None = None,
+        consumers: int = 1,
+        producer_blocks: int = 64,
+        consumer_blocks: int = 64,
+        handshake_ok: bool = True,
+    ) -> None:
+        self.config = config or ProtocolConfig(
+            mode=mode,
+            lease_s=10,
+            registration_ttl_s=10,
+            watchdog_s=8,
+            heartbeat_s=1,
+            write_grace_s=2,
+            landing_s=3,
+            tombstone_s=60,
+            max_wait_s=40,
+        )
+        self.mode = self.config.mode
+        self.now = 0.0
+        self.handshake_ok = handshake_ok
+        self.producer = Producer(self.config)
+        self.producer_hello = hello(
+            "producer", self.mode, producer_blocks, "prefill", 0x100000, self.config
+        )
+        self.p_ledger = Ledger("producer", producer_blocks)
+        self.kv_ready: set[str] = set()
+        self.released: dict[str, str] = {}
+        self.consumers: dict[str, ConsumerSide] = {}
+        for i in range(consumers):
+            name = f"decode{i}"
+            base = 0x900000 + i * 0x100000
+            h = hello("consumer", self.mode, consumer_blocks, name, base, self.config)
+            machine = Consumer(self.config, h.layout.digest())
+            self.consumers[name] = ConsumerSide(name, machine, h, Ledger(name, consumer_blocks))
+        self.network: deque[tuple[str, str, object]] = deque()  # (to, from, message)
+        self.writes: dict[str, tuple[str, act.PostWrite]] = {}
+        self.notifs: deque[tuple[str, bytes]] = deque()
+        self.counted: list[act.Counted] = []
+        self.errors: list[str] = []
+        self.partitioned = False  # while True, every message sent is lost
+
+    @property
+    def c(self) -> ConsumerSide:
+        return next(iter(self.consumers.values()))
+
+    # -- engine events ----------------------------------------------------------------
+
+    def expect(self, tid: str, blocks: int = 4, consumer: str | None = None, skip: int = 0):
+        side = self.consumers[consumer] if consumer else self.c
+        ids = side.ledger.alloc(tid, blocks)
+        side.expected[tid] = ids
+        self._run_consumer(side, side.machine.expect(tid, PRODUCER, ids, self.now, skip))
+        return ids
+
+    def ready(self, tid: str, blocks: int = 4) -> list[int]:
+        ids = self.p_ledger.alloc(tid, blocks)
+        self.kv_ready.add(tid)
+        self._run_producer(self.producer.kv_ready(tid, ids, self.now))
+        return ids
+
+    def pending(self, tid: str) -> None:
+        self._run_producer(self.producer.kv_pending(tid, self.now))
+
+    def abort_consumer(self, tid: str, consumer: str | None = None) -> None:
+        side = self.consumers[consumer] if consumer else self.c
+        self._run_consumer(side, side.machine.abort(tid, self.now))
+
+    def abort_producer(self, tid: str) -> None:
+        self._run_producer(self.producer.abort(tid, self.now))
+
+    # -- the world --------------------------------------------------------------------
+
+    def deliver(self, count: int | None = None) -> int:
+        """Deliver queued messages in order (all, or `count` of them)."""
+        delivered = 0
+        while self.network and (count is None or delivered < count):
+            to, sender, message = self.network.popleft()
+            delivered += 1
+            if self.partitioned:
+                continue
+            if to == "producer":
+                self._run_producer(self.producer.on_message(sender, message, self.now))
+            else:
+                side = self.consumers[to]
+                self._run_consumer(side, side.machine.on_message(PRODUCER, message, self.now))
+        return delivered
+
+    def finish_writes(self, ok: bool = True) -> None:
+        """Every posted WRITE completes (bytes land) or fails (nothing lands)."""
+        for tid, (consumer, post) in list(self.writes.items()):
+            del self.writes[tid]
+            side = self.consumers[consumer]
+            if not self.p_ledger.holds(tid, post.src_blocks):
+                self.errors.append(f"WRITE {tid} read source blocks the producer had freed")
+            if ok:
+                for block in post.dst_blocks:
+                    if side.ledger.owner.get(block) != tid:
+                        owner = side.ledger.owner.get(block, "the free pool")
+                        self.errors.append(f"WRITE {tid} landed in block {block} of {owner}")
+                    side.memory[block] = tid
+                self.notifs.append((consumer, post.notif))
+            self._run_producer(self.producer.on_write_done(tid, ok, self.now, "" if ok else "boom"))
+
+    def finish_reads(self, ok: bool = True) -> None:
+        for side in self.consumers.values():
+            for tid, post in list(side.reads.items()):
+                del side.reads[tid]
+                if ok and not self.p_ledger.holds(tid, post.remote_blocks):
+                    self.errors.append(f"READ {tid} read producer blocks already freed")
+                if ok:
+                    for block in post.local_blocks:
+                        side.memory[block] = tid
+                self._run_consumer(side, side.machine.on_read_done(tid, ok, self.now))
+
+    def poll_notifs(self) -> None:
+        while self.notifs:
+            consumer, notif = self.notifs.popleft()
+            side = self.consumers[consumer]
+            self._run_consumer(side, side.machine.on_notif(PRODUCER, notif, self.now))
+
+    def advance(self, seconds: float) -> None:
+        """Let time pass, one heartbeat at a time, delivering what is sent meanwhile."""
+        target = self.now + seconds
+        while self.now < target:
+            self.now = min(target, self.now + 0.5)
+            self._run_producer(self.producer.tick(self.now))
+            for side in self.consumers.values():
+                self._run_consumer(side, side.machine.tick(self.now))
+            self.deliver()
+
+    def kill_link(self, consumer: str | None = None) -> None:
+        """The side channel between the producer and a consumer breaks."""
+        side = self.consumers[consumer] if consumer else self.c
+        self.network = deque(m for m in self.network if side.name not in (m[0], m[1]))
+        self._run_producer(self.producer.on_peer_lost(side.name, "closed", self.now))
+        self._run_consumer(side, side.machine.on_peer_lost(PRODUCER, "closed", self.now))
+
+    def settle(self) -> None:
+        """Run everything to quiescence: messages, writes, reads, notifications, timers."""
+        for _ in range(200):
+            self.deliver()
+            self.finish_writes()
+            self.finish_reads()
+            self.poll_notifs()
+            if not (self.network or self.writes or self.notifs or self._reads_pending()):
+                self.advance(max(self.config.tombstone_s, 100) + 1)
+                if not (self.network or self.writes or self.notifs or self._reads_pending()):
+                    return
+        raise AssertionError("the simulation did not settle")
+
+    def _reads_pending(self) -> bool:
+        return any(side.reads for side in self.consumers.values())
+
+    # -- invariants -------------------------------------------------------------------
+
+    def check(self) -> None:
+        """After settle(): every block free exactly once, nothing waiting, no corruption."""
+        problems = list(self.errors)
+        problems += self.p_ledger.errors
+        if self.p_ledger.owner:
+            problems.append(f"producer still holds {sorted(set(self.p_ledger.owner.values()))}")
+        missing = self.kv_ready - set(self.released)
+        if missing:
+            problems.append(f"producer never released {sorted(missing)}")
+        if self.producer.holding():
+            problems.append(f"producer machine still holds {self.producer.holding()}")
+        for side in self.consumers.values():
+            problems += side.ledger.errors
+            if side.ledger.owner:
+                problems.append(
+                    f"{side.name} still holds {sorted(set(side.ledger.owner.values()))}"
+                )
+            ended = set(side.delivered) | set(side.failed)
+            if set(side.expected) - ended:
+                problems.append(f"{side.name} left waiting: {sorted(set(side.expected) - ended)}")
+            if side.machine.waiting():
+                problems.append(f"{side.name} machine still waits on {side.machine.waiting()}")
+        assert not problems, "\n".join(problems)
+
+    # -- action dispatch ----------------------------------------------------------------
+
+    def _run_producer(self, actions: list[act.Action]) -> None:
+        for action in actions:
+            if isinstance(action, act.Send):
+                self.network.append((action.peer, "producer", action.message))
+            elif isinstance(action, act.PostWrite):
+                if action.transfer_id in self.writes:
+                    self.errors.append(f"two WRITEs in flight for {action.transfer_id}")
+                self.writes[action.transfer_id] = (action.peer, action)
+            elif isinstance(action, act.ReleaseBlocks):
+                if action.transfer_id in self.writes:
+                    self.errors.append(f"{action.transfer_id} released during its WRITE")
+                if action.transfer_id in self.released:
+                    self.errors.append(f"{action.transfer_id} released twice by the producer")
+                self.released[action.transfer_id] = action.outcome
+                self.p_ledger.release(action.transfer_id)
+            elif isinstance(action, act.Counted):
+                self.counted.append(action)
+            else:
+                self.errors.append(f"producer emitted unexpected {action!r}")
+
+    def _run_consumer(self, side: ConsumerSide, actions: list[act.Action]) -> None:
+        for action in actions:
+            if isinstance(action, act.Send):
+                self.network.append(("producer", side.name, action.message))
+            elif isinstance(action, act.Connect):
+                self._handshake(side)
+            elif isinstance(action, act.PostRead):
+                side.reads[action.transfer_id] = action
+            elif isinstance(action, act.Delivered):
+                tid = action.transfer_id
+                self._end(side, tid)
+                wrong = [b for b in side.expected[tid] if side.memory.get(b) != tid]
+                if wrong:
+                    self.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
+                side.delivered.append(tid)
+                side.ledger.release(tid)  # the request ran and finished with its blocks
+            elif isinstance(action, act.TransferFailed):
+                self._end(side, action.transfer_id)
+                side.failed[action.transfer_id] = action.reason
+                side.ledger.release(action.transfer_id)
+            elif isinstance(action, act.Counted):
+                self.counted.append(action)
+            else:
+                self.errors.append(f"consumer emitted unexpected {action!r}")
+
+    def _end(self, side: ConsumerSide, tid: str) -> None:
+        if tid in side.delivered or tid in side.failed:
+            self.errors.append(f"{tid} ended twice on {side.name}")
+        pending = self.writes.get(tid)
+        if pending and pending[0] == side.name:
+            self.errors.append(f"{tid} ended on {side.name} while a WRITE into it is in flight")
+
+    def _handshake(self, side: ConsumerSide) -> None:
+        if not self.handshake_ok:
+            self._run_consumer(
+                side, side.machine.on_handshake_failed(PRODUCER, "refused", self.now)
+            )
+            return
+        self._run_producer(self.producer.on_ready(side.name, side.hello, self.now))
+        self._run_consumer(side, side.machine.on_ready(PRODUCER, self.producer_hello, self.now))

@@ -1,0 +1,127 @@
+"""Authenticated framing: forged, replayed, truncated and garbage frames are refused."""
+
+from __future__ import annotations
+
+import pytest
+from kvpush.errors import AuthError, ConfigError, ProtocolError
+from kvpush.protocol import messages as m
+from kvpush.protocol.auth import Session, load_secret
+from kvpush.protocol.config import ProtocolConfig
+from protocol_sim import hello as make_hello
+
+SECRET = b"s3cret"
+
+
+def _hello(session: Session, role: str, name: str) -> m.Hello:
+    h = make_hello(role, "push", 8, name, 0x100000, ProtocolConfig())
+    return m.Hello(**{**{f: getattr(h, f) for f in h.__struct_fields__}, "nonce": session.nonce})
+
+
+def established_pair(secret: bytes = SECRET) -> tuple[Session, Session]:
+    client, server = Session(secret, initiator=True), Session(secret, initiator=False)
+    server.open(client.seal(_hello(client, "consumer", "decode")))
+    client.open(server.seal(_hello(server, "producer", "prefill")))
+    assert client.established and server.established
+    return client, server
+
+
+def test_messages_round_trip_both_ways():
+    client, server = established_pair()
+    register = m.Register("t1", [[1, 2, 3]], "digest", 1)
+    assert server.open(client.seal(register)) == register
+    complete = m.Complete("t1", b"kvpush:t1", 42, 1.5)
+    assert client.open(server.seal(complete)) == complete
+
+
+def test_forged_message_without_the_secret_is_rejected():
+    _client, server = established_pair()
+    forger = Session(b"guess", initiator=True)
+    forger._send_key = b"k" * 32
+    forger._sent_hello = True
+    forger.peer_hello = server.peer_hello
+    with pytest.raises(AuthError, match="bad signature"):
+        server.open(forger.seal(m.Cancel("t1", "aborted")))
+
+
+def test_hello_with_another_secret_is_rejected():
+    client = Session(b"other", initiator=True)
+    server = Session(SECRET, initiator=False)
+    with pytest.raises(AuthError, match="different shared secret"):
+        server.open(client.seal(_hello(client, "consumer", "decode")))
+    assert server.peer_hello is None
+
+
+def test_replayed_message_is_rejected():
+    client, server = established_pair()
+    frame = client.seal(m.Heartbeat(["t1"]))
+    server.open(frame)
+    with pytest.raises(AuthError, match="replayed"):
+        server.open(frame)
+
+
+def test_message_from_another_session_is_rejected():
+    _client, server = established_pair()
+    other_client, _ = established_pair()
+    with pytest.raises(AuthError, match="another session"):
+        server.open(other_client.seal(m.Heartbeat(["t1"])))
+
+
+def test_reflected_message_is_rejected():
+    client, _server = established_pair()
+    frame = client.seal(m.Heartbeat(["t1"]))
+    with pytest.raises(AuthError):
+        client.open(frame)  # sent back to its author
+
+
+def test_second_hello_is_rejected():
+    _client, server = established_pair()
+    replay = Session(SECRET, initiator=True)
+    with pytest.raises(AuthError, match="second hello"):
+        server.open(replay.seal(_hello(replay, "consumer", "decode")))
+
+
+@pytest.mark.parametrize("cut", [0, 1, 5, 20, -1])
+def test_truncated_frames_are_malformed(cut):
+    client, server = established_pair()
+    frame = client.seal(m.Register("t1", [[1]], "d"))
+    with pytest.raises(ProtocolError):
+        server.open(frame[:cut])
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00", b"hello world", b"\x94\x01\x01\xc4\x00\xc4\x00"])
+def test_garbage_is_malformed(garbage):
+    _, server = established_pair()
+    with pytest.raises(ProtocolError):
+        server.open(garbage)
+
+
+def test_other_protocol_version_is_named():
+    import msgspec
+
+    _, server = established_pair()
+    frame = msgspec.msgpack.encode((99, 1, b"x" * 32, b""))
+    with pytest.raises(ProtocolError, match="version 99"):
+        server.open(frame)
+
+
+def test_decode_rejects_semantic_nonsense():
+    for bad in (
+        m.Register("", [[1]], "d"),
+        m.Register("t", [], "d"),
+        m.Register("t", [[-1]], "d"),
+        m.Failed("t", "because"),
+        m.Register("t\n", [[1]], "d"),
+    ):
+        with pytest.raises(ProtocolError):
+            m.decode(m.encode(bad))
+
+
+def test_secret_comes_from_config_or_environment(monkeypatch):
+    monkeypatch.delenv("KVPUSH_SECRET", raising=False)
+    assert load_secret("abc") == b"abc"
+    monkeypatch.setenv("KVPUSH_SECRET", "fromenv")
+    assert load_secret() == b"fromenv"
+    monkeypatch.delenv("KVPUSH_SECRET")
+    assert load_secret() == b""
+    with pytest.raises(ConfigError, match="KVPUSH_SECRET"):
+        load_secret(required=True)

@@ -1,0 +1,458 @@
+"""The producer and consumer state machines through every path the protocol promises.
+
+Each scenario ends with Sim.check(): every block on both sides free exactly once,
+no request left waiting, no WRITE landing in a block that was not its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvpush.errors import ConfigError, ProtocolError
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.messages import Cancel, Complete, Failed, Grant, Register
+from protocol_sim import PRODUCER, Sim
+
+
+def test_registration_first_then_kv():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    assert sim.c.machine.state_of("t1") == "registered"
+    sim.ready("t1")
+    assert "t1" in sim.writes
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    assert sim.released == {"t1": "sent"}
+    sim.check()
+
+
+def test_kv_first_then_registration():
+    sim = Sim()
+    sim.ready("t1")
+    assert not sim.writes
+    sim.expect("t1")
+    sim.deliver()
+    assert "t1" in sim.writes
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_notification_before_complete_still_delivers_once():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.finish_writes()
+    sim.poll_notifs()  # the NIXL notification overtakes the Complete message
+    assert sim.c.delivered == []
+    sim.deliver()
+    assert sim.c.delivered == ["t1"]
+    sim.settle()
+    sim.check()
+
+
+def test_complete_without_notification_fails_after_landing_timeout():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.finish_writes()
+    sim.notifs.clear()  # the notification never arrives
+    sim.deliver()
+    assert sim.c.machine.landing()
+    sim.advance(sim.config.landing_s + 0.5)
+    assert sim.c.failed == {"t1": "write_failed"}
+    sim.settle()
+    sim.check()
+
+
+def test_prefix_cached_blocks_are_skipped():
+    sim = Sim()
+    sim.ready("t1", blocks=5)
+    sim.expect("t1", blocks=3, skip=2)
+    sim.deliver()
+    _, post = sim.writes["t1"]
+    assert len(post.src_blocks) == 3 and len(post.dst_blocks) == 3
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_fully_cached_prefix_completes_without_a_write():
+    sim = Sim()
+    sim.ready("t1", blocks=2)
+    sim.expect("t1", blocks=0, skip=2)
+    sim.deliver()
+    assert not sim.writes
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_duplicate_registration_is_ignored():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    register = Register("t1", [sim.c.expected["t1"]], sim.c.hello.layout.digest())
+    sim.network.append(("producer", "decode0", register))
+    sim.deliver()
+    assert any(c.name == "duplicate_registrations" for c in sim.counted)
+    sim.ready("t1")
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_second_consumer_claiming_the_same_transfer_gets_a_conflict():
+    sim = Sim(consumers=2)
+    sim.expect("t1", consumer="decode0")
+    sim.deliver()
+    sim.expect("t1", consumer="decode1")
+    sim.deliver()
+    assert sim.consumers["decode1"].failed == {"t1": "conflict"}
+    sim.ready("t1")
+    sim.settle()
+    assert sim.consumers["decode0"].delivered == ["t1"]
+    sim.check()
+
+
+def test_late_registration_after_lease_expiry_fails_fast():
+    sim = Sim()
+    sim.ready("t1")
+    sim.advance(sim.config.lease_s + 1)
+    assert sim.released == {"t1": "lease_expired"}
+    sim.expect("t1")
+    sim.deliver()
+    sim.deliver()
+    assert sim.c.failed == {"t1": "lease_expired"}
+    sim.settle()
+    sim.check()
+
+
+def test_heartbeats_keep_finished_kv_while_decode_queues():
+    sim = Sim()
+    sim.ready("t1")
+    sim._run_consumer(sim.c, sim.c.machine.announce("t1", PRODUCER, sim.now))
+    sim.advance(sim.config.lease_s * 3)  # decode's queue is long; heartbeats flow
+    assert "t1" not in sim.released
+    sim.expect("t1")
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_producer_heartbeats_keep_a_long_prefill_alive():
+    sim = Sim()
+    sim.pending("t1")  # prefill queued the request
+    sim.expect("t1")
+    sim.advance(sim.config.watchdog_s * 3)  # a long prefill, but the producer says so
+    assert sim.c.failed == {}
+    sim.ready("t1")
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_watchdog_without_producer_news_cancels_then_fails():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.advance(sim.config.watchdog_s + 1)
+    # The producer never heard of t1 from its engine: its ack settles the cancel at once.
+    assert sim.c.failed == {"t1": "watchdog_expired"}
+    sim.ready("t1")  # the KV shows up afterwards: released at once, nothing written
+    assert sim.released == {"t1": "watchdog_expired"}
+    sim.settle()
+    sim.check()
+
+
+@pytest.mark.parametrize("stage", ["before_claim", "registered", "kv_ready_no_claim", "landing"])
+def test_consumer_abort_at_each_stage(stage):
+    sim = Sim()
+    if stage == "kv_ready_no_claim":
+        sim.ready("t1")
+    sim.expect("t1")
+    if stage != "before_claim":
+        sim.deliver()
+    if stage == "landing":
+        sim.ready("t1")
+        sim.finish_writes()
+        sim.notifs.clear()
+        sim.deliver()
+        assert sim.c.machine.state_of("t1") == "landing"
+    sim.abort_consumer("t1")
+    sim.settle()
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.check()
+
+
+def test_consumer_abort_while_write_in_flight_holds_blocks_until_settled():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    assert "t1" in sim.writes  # the WRITE is posted and has not landed
+    sim.abort_consumer("t1")
+    sim.deliver()  # the cancel reaches the producer; the WRITE cannot be recalled
+    assert sim.c.failed == {}
+    assert sim.c.ledger.holds("t1", sim.c.expected["t1"])  # blocks not back in the pool
+    retry = sim.expect("t2")  # a retry gets other blocks
+    assert not set(retry) & set(sim.c.expected["t1"])
+    sim.finish_writes()  # the old WRITE lands in t1's still-held blocks
+    sim.deliver()  # CancelAck
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.ready("t2")
+    sim.settle()
+    assert sim.c.delivered == ["t2"]
+    sim.check()
+
+
+def test_cancel_settles_by_provable_expiry_when_the_producer_is_silent():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.partitioned = True  # the cancel, and everything after, is lost
+    sim.abort_consumer("t1")
+    sim.advance(sim.config.registration_ttl_s - 1)
+    assert sim.c.failed == {}
+    sim.advance(sim.config.write_grace_s + 2)
+    assert sim.c.failed == {"t1": "aborted"}
+
+
+@pytest.mark.parametrize("stage", ["pending", "kv_ready", "registered", "writing"])
+def test_producer_abort_at_each_stage(stage):
+    sim = Sim()
+    if stage == "pending":
+        sim.pending("t1")
+    if stage in ("registered", "writing"):
+        sim.expect("t1")
+        sim.deliver()
+    if stage in ("kv_ready", "writing"):
+        sim.ready("t1")
+    sim.abort_producer("t1")
+    if stage in ("pending", "kv_ready"):
+        sim.expect("t1")
+    sim.settle()
+    if "t1" in sim.released:
+        assert sim.released["t1"] == "aborted"
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.check()
+
+
+def test_write_post_failure_reaches_the_consumer_at_once():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.finish_writes(ok=False)
+    sim.deliver()
+    assert sim.c.failed == {"t1": "write_failed"}
+    assert sim.released == {"t1": "write_failed"}
+    sim.settle()
+    sim.check()
+
+
+def test_handshake_failure_fails_every_waiting_transfer():
+    sim = Sim(handshake_ok=False)
+    sim.expect("t1")
+    assert sim.c.failed == {"t1": "handshake_failed"}
+    sim.settle()
+    sim.check()
+
+
+def test_peer_death_mid_registration_waits_out_the_write_grace():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.kill_link()
+    assert sim.c.failed == {}  # the WRITE posted before the link died may still land
+    sim.finish_writes()
+    sim.advance(sim.config.write_grace_s + 0.5)
+    assert sim.c.failed == {"t1": "peer_lost"}
+    sim.settle()
+    sim.check()
+
+
+def test_peer_death_before_the_kv_releases_it_when_it_comes():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.kill_link()
+    sim.ready("t1")
+    assert not sim.writes
+    sim.settle()
+    assert sim.c.failed == {"t1": "peer_lost"}
+    assert sim.released == {"t1": "peer_lost"}
+    sim.check()
+
+
+def test_out_of_range_blocks_are_refused_before_any_write():
+    sim = Sim(consumer_blocks=64)
+    sim.ready("t1")
+    bad = Register("t1", [[1, 2, 64]], sim.c.hello.layout.digest())
+    sim._run_consumer(sim.c, sim.c.machine.expect("t1", PRODUCER, [1, 2], sim.now))
+    sim.c.ledger.alloc("t1", 0)
+    sim.network.clear()
+    sim.network.append(("producer", "decode0", bad))
+    sim.deliver(1)
+    assert not sim.writes
+    failed = [m for _, _, m in sim.network if isinstance(m, Failed)]
+    assert failed and failed[0].reason == "bad_blocks" and "64" in failed[0].detail
+
+
+def test_stale_layout_digest_is_refused():
+    sim = Sim()
+    sim.ready("t1")
+    register = Register("t1", [[1]], "0" * 16)
+    sim._run_consumer(sim.c, sim.c.machine.expect("t1", PRODUCER, [], sim.now))
+    sim.network.clear()
+    sim.network.append(("producer", "decode0", register))
+    sim.deliver(1)
+    message = sim.network[0][2]
+    assert isinstance(message, Failed) and message.reason == "bad_blocks"
+    assert "layout" in message.detail
+
+
+def test_more_destinations_than_sources_fails_cleanly():
+    sim = Sim()
+    sim.ready("t1", blocks=2)
+    sim.expect("t1", blocks=4)
+    sim.settle()
+    assert sim.c.failed == {"t1": "bad_blocks"}
+    assert sim.released == {"t1": "bad_blocks"}
+    sim.check()
+
+
+def test_retry_with_a_new_transfer_id_never_gets_old_bytes():
+    sim = Sim(consumers=2)
+    sim.expect("old", consumer="decode0")
+    sim.deliver()
+    sim.abort_consumer("old", consumer="decode0")
+    sim.expect("new", consumer="decode1")
+    sim.ready("old")
+    sim.ready("new")
+    sim.settle()
+    assert sim.consumers["decode1"].delivered == ["new"]
+    assert sim.consumers["decode0"].failed == {"old": "aborted"}
+    for block in sim.consumers["decode1"].expected["new"]:
+        assert sim.consumers["decode1"].memory[block] == "new"
+    sim.check()
+
+
+def test_messages_for_unknown_transfers_are_counted_not_acted_on():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim._run_consumer(sim.c, sim.c.machine.on_message(PRODUCER, Complete("zz", b"", 0, 0.0), 0))
+    sim._run_consumer(sim.c, sim.c.machine.on_message("elsewhere:1", Failed("t1", "aborted"), 0))
+    assert sim.c.failed == {}
+    assert [c.labels["why"] for c in sim.counted] == ["unknown_transfer", "unknown_transfer"]
+
+
+def test_duplicate_expect_is_an_engine_error():
+    sim = Sim()
+    sim.expect("t1")
+    with pytest.raises(ProtocolError, match="already expected"):
+        sim.c.machine.expect("t1", PRODUCER, [9], sim.now)
+
+
+# -- pull mode ----------------------------------------------------------------------
+
+
+def test_pull_reads_after_the_producer_finishes():
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver()  # pull request -> grant
+    sim.deliver()
+    assert "t1" in sim.c.reads
+    assert "t1" not in sim.released  # the producer holds its blocks for the read
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    assert sim.released == {"t1": "sent"}
+    sim.check()
+
+
+def test_pull_request_before_kv_is_granted_when_ready():
+    sim = Sim(mode="pull")
+    sim.expect("t1")
+    sim.deliver()
+    assert not sim.c.reads
+    sim.ready("t1")
+    sim.deliver()
+    assert "t1" in sim.c.reads
+    sim.settle()
+    sim.check()
+
+
+def test_pull_read_outliving_its_lease_is_not_trusted():
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver()
+    sim.deliver()
+    sim.now += sim.config.lease_s  # the READ is very slow
+    sim.finish_reads()
+    assert sim.c.failed == {"t1": "lease_expired"}
+    sim.settle()
+    sim.check()
+
+
+def test_pull_grant_with_out_of_range_blocks_is_refused():
+    sim = Sim(mode="pull", producer_blocks=64)
+    sim.expect("t1", blocks=2)
+    sim.deliver()
+    grant = Grant("t1", [[3, 999]], 10.0)
+    sim._run_consumer(sim.c, sim.c.machine.on_message(PRODUCER, grant, sim.now))
+    assert sim.c.failed == {"t1": "bad_blocks"}
+    assert not sim.c.reads
+
+
+def test_pull_abort_during_read_waits_for_the_read():
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver()
+    sim.deliver()
+    sim.abort_consumer("t1")
+    assert sim.c.failed == {}
+    sim.finish_reads()
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.settle()
+    sim.check()
+
+
+def test_push_and_pull_messages_are_refused_across_modes():
+    sim = Sim(mode="pull")
+    sim.expect("t1")
+    sim.network.clear()
+    sim._run_producer(sim.producer.on_message("decode0", Register("t1", [[0]], "x"), sim.now))
+    message = sim.network[0][2]
+    assert isinstance(message, Failed) and "pull mode" in message.detail
+
+
+# -- configuration ---------------------------------------------------------------
+
+
+def test_config_errors_name_the_setting():
+    with pytest.raises(ConfigError, match="lease_s must be a positive number"):
+        ProtocolConfig(lease_s=0)
+    with pytest.raises(ConfigError, match=r"unknown protocol setting\(s\) \['leese_s'\]"):
+        ProtocolConfig.from_mapping({"leese_s": 3})
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        ProtocolConfig(heartbeat_s=20, watchdog_s=30)
+    with pytest.raises(ConfigError, match="mode"):
+        ProtocolConfig(mode="shove")
+
+
+def test_cancel_message_from_a_stranger_is_acked_harmlessly():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim._run_producer(sim.producer.on_message("decode0", Cancel("zz", "aborted"), sim.now))
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
