@@ -98,6 +98,8 @@ class Session:
                 f"peer speaks kvpush protocol version {version}; this side speaks "
                 f"{PROTOCOL_VERSION}"
             )
+        if not 0 <= seq < 1 << 63:
+            raise ProtocolError(f"frame sequence number {seq} is out of range")
         if len(mac) != MAC_BYTES:
             raise AuthError("frame signature has the wrong length")
         if seq == 0:
