@@ -83,7 +83,11 @@ class Backends:
                 f"backend {name!r} ({source}, {entry_point.value}) failed to load: {exc!r}; "
                 f"leave it out with {ENV_BACKENDS}"
             ) from exc
+        self._register(plugin, name, source, entry_point.value)
+
+    def _register(self, plugin: Any, name: str, source: str, module: str) -> None:
         self._pm.register(plugin, name=name)
+        self._routed.clear()
         impl = self._impl(name, "kvpush_backend_info")
         if impl is None:
             raise BackendError(
@@ -94,7 +98,13 @@ class Backends:
             raise BackendError(
                 f"backend registered as {name!r} ({source}) calls itself {info.name!r}"
             )
-        self._loaded[name] = LoadedBackend(name, source, entry_point.value, info)
+        self._loaded[name] = LoadedBackend(name, source, module, info)
+
+    def add(self, plugin: Any, name: str) -> None:
+        """Register a backend object directly, without an entry point (embedding, tests)."""
+        if name in self._loaded:
+            raise BackendError(f"a backend named {name!r} is already loaded")
+        self._register(plugin, name, "registered at runtime", repr(plugin))
 
     # -- what is loaded --------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Authenticated framing of protocol messages over one connection.
 
-Frame: msgpack [version, seq, mac, payload]. Hellos (seq 0) are signed with the
-shared secret. Once both hellos are in, each direction signs with its own key
-derived from the secret and both sides' nonces, and sequence numbers must rise:
+Frame: msgpack [version, seq, mac, payload]. Hellos, and a Reject refusing one,
+(seq 0) are signed with the shared secret. Once both hellos are in, each direction
+signs with its own key derived from the secret and both sides' nonces, and sequence
+numbers must rise:
 a message replayed within the session, carried over from another session, or sent
 back to its author fails. Nothing here does I/O; a Session only holds counters.
 
@@ -18,7 +19,7 @@ import os
 
 import msgspec
 from kvpush.errors import AuthError, ConfigError, ProtocolError
-from kvpush.protocol.messages import PROTOCOL_VERSION, Hello, Message, decode, encode
+from kvpush.protocol.messages import PROTOCOL_VERSION, Hello, Message, Reject, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class Session:
             mac = _mac(self._secret, 0, payload)
             return msgspec.msgpack.encode((PROTOCOL_VERSION, 0, mac, payload))
         if not self.established:
+            if isinstance(message, Reject):
+                # A refusal must be sayable before the session exists.
+                return msgspec.msgpack.encode(
+                    (PROTOCOL_VERSION, 0, _mac(self._secret, 0, payload), payload)
+                )
             raise ProtocolError("no message before both hellos")
         self._seq_out += 1
         mac = _mac(self._send_key, self._seq_out, payload)
@@ -118,12 +124,14 @@ class Session:
         self._seq_in = seq
         return message
 
-    def _open_hello(self, mac: bytes, payload: bytes) -> Hello:
+    def _open_hello(self, mac: bytes, payload: bytes) -> Hello | Reject:
         if self.peer_hello is not None:
             raise AuthError("a second hello in one session (replayed?)")
         if not hmac.compare_digest(mac, _mac(self._secret, 0, payload)):
             raise AuthError("bad hello signature: the peer has a different shared secret")
         message = decode(payload)
+        if isinstance(message, Reject):
+            return message
         if not isinstance(message, Hello):
             raise ProtocolError(f"expected a hello, got {type(message).__name__}")
         if message.nonce == self.nonce:

@@ -141,6 +141,7 @@ class NixlAgent:
             except Exception as exc:
                 raise _fail(f"creating backend {backend}", exc) from exc
         self._registered: list[tuple[Any, list[MemRegion]]] = []
+        self._lists: list[PreparedList] = []
         self._peers: set[str] = set()
         self._closed = False
 
@@ -180,7 +181,9 @@ class NixlAgent:
             self._registered.append((descs, group))
         return merged
 
-    def deregister_all(self) -> None:
+    def _deregister_all(self) -> None:
+        # Only after every prepared list is released: NIXL crashes (SIGSEGV, seen with
+        # 1.5.1) posting from a list whose memory was deregistered under it.
         self._check("deregister")
         while self._registered:
             descs, _ = self._registered.pop()
@@ -201,11 +204,15 @@ class NixlAgent:
             handle = self._agent.prep_xfer_dlist(peer or LOCAL, table, mem_type)
         except Exception as exc:
             raise _fail("prep_xfer_dlist", exc, peer) from exc
-        return PreparedList(handle, int(table.shape[0]), mem_type, peer)
+        prepared = PreparedList(handle, int(table.shape[0]), mem_type, peer)
+        self._lists.append(prepared)
+        return prepared
 
     def release_list(self, prepared: PreparedList) -> None:
         self._check("release_dlist_handle")
-        self._agent.release_dlist_handle(prepared.handle)
+        if prepared in self._lists:
+            self._lists.remove(prepared)
+            self._agent.release_dlist_handle(prepared.handle)
 
     # -- transfers -------------------------------------------------------------------
 
@@ -354,11 +361,14 @@ class NixlAgent:
             return
         self._check("close")
         # Best effort: a dead peer or a half-torn-down agent must not stop the rest.
+        for prepared in list(self._lists):
+            with contextlib.suppress(Exception):
+                self.release_list(prepared)
         for peer in list(self._peers):
             with contextlib.suppress(TransportError):
                 self.remove_peer(peer)
         with contextlib.suppress(TransportError):
-            self.deregister_all()
+            self._deregister_all()
         self._closed = True
 
 

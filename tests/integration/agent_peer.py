@@ -1,14 +1,12 @@
-"""A NIXL agent in its own OS process, driven by JSON lines on stdin.
+"""A bare NIXL agent with a KV-shaped buffer, for transport tests.
 
-The tests hold one agent in the pytest process and this one as the remote peer, so
-every transfer crosses a real process boundary. Each command answers one JSON line.
+The tests hold one in the pytest process and another in a peer process
+(peer_main.py), so every transfer crosses a real process boundary.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import sys
 import time
 
 import msgspec
@@ -82,24 +80,3 @@ class Peer:
             self.agent.notifs()
             time.sleep(0.0005)
         return {}
-
-
-def main() -> None:
-    peer = None
-    for line in sys.stdin:
-        command = json.loads(line)
-        op = command.pop("op")
-        try:
-            if op == "init":
-                peer = Peer(**command)
-                reply = peer.hello()
-            else:
-                reply = getattr(peer, op)(**command)
-            reply["ok"] = True
-        except Exception as exc:
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(reply), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-PEER_SCRIPT = Path(__file__).with_name("agent_peer.py")
+PEER_SCRIPT = Path(__file__).with_name("peer_main.py")
 
 
 class RemotePeer:

@@ -1,0 +1,147 @@
+"""Counters and histograms for a kvpush worker, readable as a dict or Prometheus text.
+
+Thread-safe: the loop thread records, any thread reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+
+# Seconds: from tens of microseconds (a notification) to minutes (a lease).
+TIME_BUCKETS = (
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+HELP = {
+    "transfers_started": "Transfers this worker took part in, by role",
+    "transfers_delivered": "Consumer transfers whose KV arrived",
+    "transfers_failed": "Consumer transfers that ended without KV, by reason",
+    "blocks_released": "Producer transfers whose source blocks were freed, by outcome",
+    "bytes_moved": "Bytes moved by NIXL, by operation",
+    "rejected_messages": "Side-channel messages refused or ignored, by why",
+    "rejected_notifs": "NIXL notifications ignored, by why",
+    "handshakes": "Side-channel handshakes, by result",
+    "post_seconds": "Time to prepare and post one NIXL transfer",
+    "transfer_seconds": "Time from posting a NIXL transfer to its completion",
+    "done_to_ready_seconds": "Producer KV ready to consumer KV usable (wall clocks)",
+    "consumer_wait_seconds": "Consumer blocks allocated to KV usable",
+}
+
+
+class Histogram:
+    def __init__(self, buckets: Iterable[float] = TIME_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.total = 0.0
+        self.count = 0
+        self.samples: list[float] = []
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+        if len(self.samples) < 100_000:
+            self.samples.append(value)
+
+    def quantile(self, q: float) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Metrics:
+    """Named counters (with label sets) and histograms."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
+        self._histograms: dict[str, Histogram] = {}
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = self._counters[name]
+            series[key] = series.get(key, 0.0) + value
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._histograms.setdefault(name, Histogram()).observe(seconds)
+
+    def counter(self, name: str, **labels: str) -> float:
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            if labels:
+                return self._counters.get(name, {}).get(key, 0.0)
+            return sum(self._counters.get(name, {}).values())
+
+    def histogram(self, name: str) -> Histogram:
+        with self._lock:
+            return self._histograms.setdefault(name, Histogram())
+
+    def snapshot(self) -> dict:
+        """Counters by label string, histograms as count, sum and quantiles."""
+        with self._lock:
+            counters = {
+                name: {_label_text(key) or "total": value for key, value in series.items()}
+                for name, series in self._counters.items()
+            }
+            histograms = {name: h for name, h in self._histograms.items()}
+        return {
+            "counters": counters,
+            "histograms": {
+                name: {
+                    "count": h.count,
+                    "sum": h.total,
+                    "p50": h.quantile(0.5),
+                    "p90": h.quantile(0.9),
+                    "p99": h.quantile(0.99),
+                }
+                for name, h in histograms.items()
+            },
+        }
+
+    def prometheus(
+        self, prefix: str = "kvpush_", extra_labels: dict[str, str] | None = None
+    ) -> str:
+        """The Prometheus text exposition of everything recorded."""
+        extra = tuple(sorted((extra_labels or {}).items()))
+        lines: list[str] = []
+        with self._lock:
+            for name, series in sorted(self._counters.items()):
+                full = f"{prefix}{name}_total"
+                lines.append(f"# HELP {full} {HELP.get(name, name)}")
+                lines.append(f"# TYPE {full} counter")
+                for key, value in sorted(series.items()):
+                    lines.append(f"{full}{_labels(extra + key)} {value:g}")
+            for name, h in sorted(self._histograms.items()):
+                full = f"{prefix}{name}"
+                lines.append(f"# HELP {full} {HELP.get(name, name)}")
+                lines.append(f"# TYPE {full} histogram")
+                running = 0
+                for bound, count in zip(h.buckets, h.counts, strict=False):
+                    running += count
+                    le = (("le", f"{bound:g}"),)
+                    lines.append(f"{full}_bucket{_labels(extra + le)} {running}")
+                lines.append(f"{full}_bucket{_labels(extra + (('le', '+Inf'),))} {h.count}")
+                lines.append(f"{full}_sum{_labels(extra)} {h.total:g}")
+                lines.append(f"{full}_count{_labels(extra)} {h.count}")
+        return "\n".join(lines) + "\n"
+
+
+def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _label_text(key: tuple[tuple[str, str], ...]) -> str:
+    return ",".join(f"{k}={v}" for k, v in key)

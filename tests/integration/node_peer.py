@@ -1,0 +1,145 @@
+"""A kvpush Node over a KV-shaped buffer, for protocol tests over real NIXL.
+
+`device="host"` keeps the KV in numpy arrays (the built-in host backend);
+`device="gated"` keeps it on the example backend's imaginary device, whose fence
+blocks until the test opens a gate: that holds a WRITE between "KV ready" and
+"posted" for exactly as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
+
+import kvpush_example_backend as example  # noqa: E402
+
+from kvpush.plugins import Backends  # noqa: E402
+from kvpush.protocol.config import ProtocolConfig  # noqa: E402
+from kvpush.runtime.node import Node, NodeConfig  # noqa: E402
+
+GATE = threading.Event()
+GATE.set()
+
+
+class GatedTensor(example.ExampleTensor):
+    def synchronize(self) -> None:
+        GATE.wait()
+        super().synchronize()
+
+
+class NodePeer:
+    def __init__(
+        self,
+        role: str,
+        engine_id: str,
+        mode: str = "push",
+        layers: int = 2,
+        blocks: int = 16,
+        block_bytes: int = 4096,
+        fill: int = 0,
+        device: str = "host",
+        secret: str = "test-secret",
+        rank: int = 0,
+        world: int = 1,
+        **protocol: float,
+    ) -> None:
+        self.backends = Backends(["host"])
+        if device == "gated":
+            self.backends.add(example, "example")
+            self.tensors = {f"layer.{i}": GatedTensor((blocks, block_bytes)) for i in range(layers)}
+            for tensor in self.tensors.values():
+                tensor.memory[:] = fill
+        else:
+            self.buf = np.full((layers, blocks, block_bytes), fill, dtype=np.uint8)
+            self.tensors = {f"layer.{i}": self.buf[i] for i in range(layers)}
+        self.kv = self.backends.describe(self.tensors, ("blocks", "bytes"))
+        config = NodeConfig(
+            engine_id,
+            role,
+            rank=rank,
+            world=world,
+            protocol=ProtocolConfig(mode=mode, **protocol),
+            secret=secret.encode(),
+        )
+        self.node = Node(config, self.kv, self.backends).start()
+        self.outcomes: list[dict] = []
+
+    def hello(self) -> dict:
+        listening = self.node.config.role != "consumer"
+        return {"address": self.node.address if listening else None}
+
+    def _memory(self, name: str) -> np.ndarray:
+        tensor = self.tensors[name]
+        return tensor.memory if isinstance(tensor, GatedTensor) else tensor
+
+    def expect(self, tid: str, producer: str, blocks: list[int], skip: int = 0) -> dict:
+        self.node.expect(tid, producer, blocks, skip)
+        return {}
+
+    def announce(self, tid: str, producer: str) -> dict:
+        self.node.announce(tid, producer)
+        return {}
+
+    def kv_pending(self, tid: str) -> dict:
+        self.node.kv_pending(tid)
+        return {}
+
+    def kv_ready(self, tid: str, blocks: list[int], value: int) -> dict:
+        for tensor in self.tensors.values():
+            if isinstance(tensor, GatedTensor):
+                tensor.write(blocks, value)  # lands only at the fence
+            else:
+                tensor[blocks] = value
+        fence = self.backends.fence(self.kv)
+        self.node.kv_ready(tid, blocks, fence)
+        return {}
+
+    def abort(self, tid: str) -> dict:
+        self.node.abort(tid)
+        return {}
+
+    def results(self, count: int, seconds: float) -> dict:
+        deadline = time.monotonic() + seconds
+        while len(self.outcomes) < count and time.monotonic() < deadline:
+            for outcome in self.node.wait_results(max(0.0, deadline - time.monotonic())):
+                self.outcomes.append(outcome.__dict__)
+        taken, self.outcomes = self.outcomes[:count], self.outcomes[count:]
+        return {"outcomes": taken}
+
+    def values(self) -> dict:
+        return {
+            "values": [
+                [sorted(set(np.unique(block).tolist())) for block in self._memory(name)]
+                for name in self.tensors
+            ]
+        }
+
+    def stats(self) -> dict:
+        stats = self.node.stats()
+        stats["metrics"] = self.node.metrics.snapshot()["counters"]
+        return stats
+
+    def hold_fence(self) -> dict:
+        GATE.clear()
+        return {}
+
+    def release_fence(self) -> dict:
+        GATE.set()
+        return {}
+
+    def forget_peers(self) -> dict:
+        """Invalidate every remote agent in NIXL under the node's feet, so its next
+        transfer fails to post (as after a peer re-registers its metadata)."""
+        agent = self.node.agent
+        self.node.loop.call(lambda: [agent.remove_peer(p) for p in agent.peers])
+        return {}
+
+    def close(self) -> dict:
+        self.node.close()
+        return {}

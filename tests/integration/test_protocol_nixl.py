@@ -1,0 +1,185 @@
+"""The push protocol between two OS processes over real NIXL, with the bytes checked.
+
+Each side is a kvpush Node (loop thread, side channel, NIXL agent) in its own
+process; the producer's and consumer's KV live in separate address spaces.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.nixl
+
+FAST = {"write_grace_s": 1.0, "watchdog_s": 20.0, "heartbeat_s": 0.5}
+
+
+@pytest.fixture
+def spawn(request):
+    from conftest import RemotePeer
+
+    peers = []
+
+    def start(role: str, engine_id: str, **kwargs):
+        peer = RemotePeer()
+        peers.append(peer)
+        hello = peer.call("init", kind="node", role=role, engine_id=engine_id, **{**FAST, **kwargs})
+        peer.address = hello["address"]
+        return peer
+
+    yield start
+    for peer in peers:
+        peer.kill()
+
+
+def _one(peer, seconds=15.0):
+    outcomes = peer.call("results", count=1, seconds=seconds, timeout=seconds + 30)["outcomes"]
+    assert outcomes, "no outcome arrived"
+    return outcomes[0]
+
+
+def _quiet(peer):
+    stats = peer.call("stats")
+    assert stats["producer_holding"] == [] and stats["consumer_waiting"] == [], stats
+    assert stats["writes_in_flight"] == 0 and stats["reads_in_flight"] == 0, stats
+    return stats
+
+
+def _values(peer):
+    return peer.call("values")["values"]
+
+
+@pytest.mark.parametrize("order", ["registration_first", "kv_first"])
+def test_push_moves_the_bytes_into_the_registered_blocks(spawn, order):
+    producer = spawn("producer", "prefill")
+    consumer = spawn("consumer", "decode")
+    if order == "kv_first":
+        producer.call("kv_ready", tid="t1", blocks=[0, 1, 2], value=0x42)
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[3, 5, 7])
+    if order == "registration_first":
+        time.sleep(0.3)
+        producer.call("kv_ready", tid="t1", blocks=[0, 1, 2], value=0x42)
+    assert _one(consumer)["kind"] == "delivered"
+    released = _one(producer)
+    assert (released["kind"], released["reason"]) == ("released", "sent")
+    for layer in _values(consumer):
+        for block, values in enumerate(layer):
+            assert values == ([0x42] if block in (3, 5, 7) else [0]), block
+    _quiet(producer)
+    _quiet(consumer)
+
+
+def test_write_that_fails_to_post_fails_the_consumer_at_once(spawn):
+    producer = spawn("producer", "prefill")
+    consumer = spawn("consumer", "decode")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
+    time.sleep(0.3)
+    producer.call("forget_peers")
+    started = time.monotonic()
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x42)
+    failed = _one(consumer)
+    assert (failed["kind"], failed["reason"]) == ("failed", "write_failed")
+    assert time.monotonic() - started < 5  # a message, not the 20 s watchdog
+    assert _one(producer)["reason"] == "write_failed"
+    assert all(values == [0] for layer in _values(consumer) for values in layer)
+    _quiet(consumer)
+
+
+def test_producer_death_fails_the_consumer_after_the_write_grace(spawn):
+    producer = spawn("producer", "prefill")
+    consumer = spawn("consumer", "decode")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
+    time.sleep(0.3)
+    producer.kill()
+    started = time.monotonic()
+    failed = _one(consumer)
+    assert (failed["kind"], failed["reason"]) == ("failed", "peer_lost")
+    assert 0.8 <= time.monotonic() - started < 6
+    _quiet(consumer)
+
+
+def test_consumer_death_releases_the_producer_blocks(spawn):
+    producer = spawn("producer", "prefill")
+    consumer = spawn("consumer", "decode")
+    producer.call("kv_pending", tid="t1")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
+    time.sleep(0.3)
+    consumer.kill()
+    time.sleep(0.3)
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x42)
+    released = _one(producer)
+    assert (released["kind"], released["reason"]) == ("released", "peer_lost")
+    _quiet(producer)
+
+
+def test_consumer_abort_mid_transfer_holds_blocks_until_settled(spawn):
+    producer = spawn("producer", "prefill", device="gated")
+    consumer = spawn("consumer", "decode")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[2, 4])
+    time.sleep(0.3)
+    producer.call("hold_fence")
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x77)  # stuck at the fence
+    time.sleep(0.2)
+    consumer.call("abort", tid="t1")
+    early = consumer.call("results", count=1, seconds=1.0)["outcomes"]
+    assert early == []  # the blocks stay held while the WRITE may still come
+    producer.call("release_fence")
+    failed = _one(consumer)
+    assert (failed["kind"], failed["reason"]) == ("failed", "aborted")
+    # The WRITE did land, in blocks the consumer still held: nobody else's bytes moved.
+    for layer in _values(consumer):
+        assert layer[2] == [0x77] and layer[4] == [0x77]
+        assert all(layer[b] == [0] for b in range(len(layer)) if b not in (2, 4))
+    assert _one(producer)["kind"] == "released"
+    _quiet(producer)
+    _quiet(consumer)
+
+
+def test_pull_mode_reads_after_the_producer_finishes(spawn):
+    producer = spawn("producer", "prefill", mode="pull")
+    consumer = spawn("consumer", "decode", mode="pull")
+    producer.call("kv_ready", tid="t1", blocks=[4, 6], value=0x33)
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[0, 9])
+    assert _one(consumer)["kind"] == "delivered"
+    assert _one(producer)["reason"] == "sent"
+    for layer in _values(consumer):
+        assert layer[0] == [0x33] and layer[9] == [0x33]
+        assert all(layer[b] == [0] for b in range(len(layer)) if b not in (0, 9))
+    _quiet(producer)
+    _quiet(consumer)
+
+
+def test_push_and_pull_peers_refuse_to_pair_with_a_clear_reason(spawn):
+    producer = spawn("producer", "prefill", mode="push")
+    consumer = spawn("consumer", "decode", mode="pull")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[1])
+    failed = _one(consumer)
+    assert (failed["kind"], failed["reason"]) == ("failed", "handshake_failed")
+    assert "pull mode" in failed["detail"] and "push mode" in failed["detail"]
+
+
+def test_wrong_secret_is_refused(spawn):
+    producer = spawn("producer", "prefill", secret="right")
+    consumer = spawn("consumer", "decode", secret="wrong")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[1])
+    failed = _one(consumer)
+    assert failed["reason"] == "handshake_failed"
+    assert "secret" in failed["detail"]
+    metrics = producer.call("stats")["metrics"]
+    assert metrics["rejected_messages"]["why=auth"] >= 1
+
+
+def test_equal_tensor_parallel_ranks_pair_rank_by_rank(spawn):
+    producers = [spawn("producer", "prefill", rank=r, world=2) for r in range(2)]
+    consumers = [spawn("consumer", "decode", rank=r, world=2) for r in range(2)]
+    for rank in range(2):
+        consumers[rank].call("expect", tid="t1", producer=producers[rank].address, blocks=[rank])
+        producers[rank].call("kv_ready", tid="t1", blocks=[5], value=0x10 + rank)
+    for rank in range(2):
+        assert _one(consumers[rank])["kind"] == "delivered"
+        assert all(layer[rank] == [0x10 + rank] for layer in _values(consumers[rank]))
+    # A consumer rank reaching the wrong producer rank is refused.
+    consumers[1].call("expect", tid="t2", producer=producers[0].address, blocks=[3])
+    failed = _one(consumers[1])
+    assert failed["reason"] == "handshake_failed" and "rank" in failed["detail"]
