@@ -17,11 +17,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
 
-import kvpush_example_backend as example  # noqa: E402
-
-from kvpush.plugins import Backends  # noqa: E402
-from kvpush.protocol.config import ProtocolConfig  # noqa: E402
-from kvpush.runtime.node import Node, NodeConfig  # noqa: E402
+import kvpush_example_backend as example
+from kvpush.plugins import Backends
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.runtime.node import Node, NodeConfig
 
 GATE = threading.Event()
 GATE.set()
