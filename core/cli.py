@@ -54,6 +54,19 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return transfer.main(sizes, args.runs, args.idle_seconds, args.json)
 
 
+def _bench_protocol(args: argparse.Namespace) -> int:
+    from kvpush.bench import protocol
+
+    settings = protocol.Settings(
+        prefill_s_per_request=args.prefill_ms_per_request / 1e3,
+        decode_step_s=args.decode_step_ms / 1e3,
+        requests_per_stream=args.requests_per_stream,
+        idle_seconds=args.idle_seconds,
+    )
+    points = tuple(int(p) for p in args.in_flight.split(","))
+    return protocol.main(points, settings, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-seconds", type=float, default=3.0, help="window for the receiver's idle CPU"
     )
     transfer.set_defaults(run=_bench_transfer)
+
+    proto = benches.add_parser(
+        "protocol", help="producer-done to consumer-ready time, push against pull"
+    )
+    proto.add_argument("--json", action="store_true", help="one JSON object per point")
+    proto.add_argument("--in-flight", default="1,8,32", help="concurrent requests (default 1,8,32)")
+    proto.add_argument("--requests-per-stream", type=int, default=8)
+    proto.add_argument(
+        "--prefill-ms-per-request",
+        type=float,
+        default=2.0,
+        help="prefill compute per request in a batch (a step takes this times the batch)",
+    )
+    proto.add_argument(
+        "--decode-step-ms",
+        type=float,
+        default=5.0,
+        help="decode engine step; 0 = notice transfers the moment they land",
+    )
+    proto.add_argument("--idle-seconds", type=float, default=3.0)
+    proto.set_defaults(run=_bench_protocol)
     return parser
 
 

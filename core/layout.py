@@ -199,12 +199,27 @@ class BlockTable:
             rows[:, 1] = unit.nbytes
             rows[:, 2] = layout.device_id
         self._unit_offsets = np.arange(self.num_units, dtype=np.int64)[:, None] * nb
+        # Units are layer-major: layer l owns units [first[l], first[l + 1]).
+        self._first_unit = np.searchsorted(
+            [u.layer for u in layout_units], range(len(layout.layers) + 1)
+        )
 
-    def ids(self, block_ids: np.ndarray | list[int]) -> np.ndarray:
-        """Row indices for `block_ids`, unit-major; RegionError if any id is out of range."""
+    def ids(
+        self, block_ids: np.ndarray | list[int], layers: tuple[int, int] | None = None
+    ) -> np.ndarray:
+        """Row indices for `block_ids` (in layers [start, stop) if given), unit-major.
+
+        RegionError if any block id is out of range.
+        """
         ids = np.asarray(block_ids, dtype=np.int64)
         check_block_ids(self.layout, ids)
-        return (self._unit_offsets + ids[None, :]).ravel()
+        offsets = self._unit_offsets
+        if layers is not None:
+            start, stop = layers
+            if not 0 <= start < stop <= len(self.layout.layers):
+                raise RegionError(f"layer range {layers} outside 0..{len(self.layout.layers)}")
+            offsets = offsets[self._first_unit[start] : self._first_unit[stop]]
+        return (offsets + ids[None, :]).ravel()
 
 
 def check_block_ids(layout: KVLayout, ids: np.ndarray) -> None:

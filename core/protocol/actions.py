@@ -24,13 +24,15 @@ class Connect:
 
 @dataclass(frozen=True)
 class PostWrite:
-    """Producer: fence the KV, then WRITE src_blocks into the peer's dst_blocks."""
+    """Producer: fence the KV, then WRITE layers [start, stop) of src_blocks into the
+    peer's dst_blocks; `notif` (empty for all but the last WRITE) marks the end."""
 
     transfer_id: str
     peer: str
     src_blocks: list[int]
     dst_blocks: list[int]
     notif: bytes
+    layers: tuple[int, int] = (0, 1)
 
 
 @dataclass(frozen=True)

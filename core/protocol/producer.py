@@ -7,6 +7,12 @@ threads or clocks: the I/O layer (kvpush.runtime) does those.
 For every transfer whose KV became ready the producer emits exactly one
 ReleaseBlocks; it never posts a WRITE into blocks the consumer did not register,
 nor after it told the consumer nothing more would come.
+
+KV may become ready layer by layer (`kv_ready(..., layers=k)`: layers 0..k-1 are
+computed). Once the consumer has registered, each newly ready run of layers is
+written at once, one WRITE per transfer at a time, so by the time the last layer is
+computed most of the KV has already crossed; the last WRITE carries the NIXL
+notification and is followed by Complete.
 """
 
 from __future__ import annotations
@@ -43,7 +49,12 @@ class _Peer:
 @dataclass
 class _Transfer:
     transfer_id: str
-    kv_blocks: list[int] | None = None  # source blocks, once the KV is ready
+    kv_blocks: list[int] | None = None  # source blocks, once any of the KV is ready
+    layers_ready: int = 0  # layers 0..layers_ready-1 are computed
+    layers_written: int = 0  # ... and 0..layers_written-1 are written (push)
+    final: bool = False  # every layer is ready: the producer is done
+    writing_upto: int = 0  # the WRITE in flight covers layers up to this one
+    nbytes: int = 0
     kv_ready_wall: float = 0.0
     in_engine: bool = False  # the engine holds the request (queued or computing)
     peer: str | None = None  # the consumer it is bound to
@@ -58,13 +69,14 @@ class _Transfer:
 class Producer:
     """All transfers of one prefill worker rank."""
 
-    def __init__(self, config: ProtocolConfig) -> None:
+    def __init__(self, config: ProtocolConfig, num_layers: int = 1) -> None:
         self.config = config
+        self.num_layers = num_layers
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._tombstones: dict[str, str] = {}  # ended transfer id -> why
+        self._released: set[str] = set()  # tombstoned ids whose blocks were released
         self._deadlines = Deadlines()
-        self._next_heartbeat: float | None = None
 
     # -- sessions --------------------------------------------------------------------
 
@@ -95,20 +107,38 @@ class Producer:
         return self._arm_heartbeat(now)
 
     def kv_ready(
-        self, transfer_id: str, block_ids: list[int], now: float, ready_wall: float = 0.0
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        now: float,
+        ready_wall: float = 0.0,
+        layers: int | None = None,
     ) -> list[Action]:
-        """The request's KV is computed (and will be fenced before any WRITE)."""
+        """Layers 0..layers-1 of the request's KV are computed (all when `layers` is None).
+
+        The KV is fenced before any WRITE reads it. `ready_wall` (the engine's wall
+        clock when the last layer was ready) travels to the consumer for metrics.
+        """
+        layers = self.num_layers if layers is None else min(layers, self.num_layers)
         if transfer_id in self._tombstones:
+            if transfer_id in self._released:
+                return []
+            self._released.add(transfer_id)
             return [ReleaseBlocks(transfer_id, self._tombstones[transfer_id])]
         transfer = self._transfers.setdefault(transfer_id, _Transfer(transfer_id))
-        if transfer.kv_blocks is not None:
+        if transfer.final or layers <= transfer.layers_ready:
             return [Counted("duplicate_kv_ready")]
-        transfer.kv_blocks = list(block_ids)
+        if transfer.kv_blocks is None:
+            transfer.kv_blocks = list(block_ids)
+        transfer.layers_ready = layers
+        if layers < self.num_layers:
+            return self._write_more(transfer, now) if transfer.dst_blocks is not None else []
+        transfer.final = True
         transfer.kv_ready_wall = ready_wall
         transfer.in_engine = False
         self._deadlines.cancel(("reg", transfer_id))
         if transfer.dst_blocks is not None:
-            return self._write(transfer, now)
+            return self._write_more(transfer, now)
         if transfer.pull_blocks and transfer.peer is not None:
             return self._grant(transfer, now)
         lease = max(now + self.config.lease_s, self._deadlines.get(("claim", transfer_id)) or 0)
@@ -130,10 +160,11 @@ class Producer:
     def on_write_done(
         self, transfer_id: str, ok: bool, now: float, detail: str = "", nbytes: int = 0
     ) -> list[Action]:
-        """The WRITE for `transfer_id` completed (ok) or failed; either way it is over."""
+        """The WRITE in flight for `transfer_id` completed (ok) or failed."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None or transfer.state != "writing":
             return [Counted("unexpected_write_completion")]
+        transfer.state = "waiting"
         peer = transfer.peer
         if transfer.cancel_reason is not None:
             outcome = transfer.cancel_reason
@@ -142,12 +173,16 @@ class Producer:
                 if transfer.cancelled_by_peer
                 else Failed(transfer_id, outcome, "the prefill request was aborted")
             )
-        elif ok:
-            message = Complete(transfer_id, _notif(transfer_id), nbytes, transfer.kv_ready_wall)
-            outcome = "sent"
+        elif not ok:
+            message, outcome = Failed(transfer_id, "write_failed", detail), "write_failed"
         else:
-            message = Failed(transfer_id, "write_failed", detail)
-            outcome = "write_failed"
+            transfer.layers_written = transfer.writing_upto
+            transfer.nbytes += nbytes
+            if not (transfer.final and transfer.layers_written == self.num_layers):
+                return self._write_more(transfer, now)
+            notif = _notif(transfer_id)
+            message = Complete(transfer_id, notif, transfer.nbytes, transfer.kv_ready_wall)
+            outcome = "sent"
         actions: list[Action] = [Send(peer, message)] if peer in self._peers else []
         return actions + self._end(transfer, outcome, now)
 
@@ -187,9 +222,9 @@ class Producer:
         transfer.peer = peer
         transfer.dst_blocks = list(destinations)
         transfer.skip_blocks = message.skip_blocks
-        if transfer.kv_blocks is not None:
-            return self._write(transfer, now)
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+        if transfer.kv_blocks is not None:
+            return self._write_more(transfer, now)
         return self._arm_heartbeat(now)
 
     def _check_destinations(self, peer: str, message: Register) -> str | None:
@@ -205,11 +240,14 @@ class Producer:
             return "a destination block appears twice"
         return None
 
-    def _write(self, transfer: _Transfer, now: float) -> list[Action]:
-        """Both halves are here: check the counts and post the WRITE."""
+    def _write_more(self, transfer: _Transfer, now: float) -> list[Action]:
+        """Post the next WRITE: every ready layer not yet written, if none is in flight."""
         assert transfer.kv_blocks is not None and transfer.dst_blocks is not None
+        if transfer.state == "writing":
+            return []  # its completion posts what became ready meanwhile
         self._deadlines.cancel(("lease", transfer.transfer_id))
-        self._deadlines.cancel(("reg", transfer.transfer_id))
+        if transfer.final:
+            self._deadlines.cancel(("reg", transfer.transfer_id))
         sources = transfer.kv_blocks[transfer.skip_blocks :]
         destinations = transfer.dst_blocks
         if len(destinations) > len(sources):
@@ -218,18 +256,25 @@ class Producer:
                 f"(after skipping {transfer.skip_blocks})"
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
-        if not destinations:
-            # The consumer holds every block already (prefix cache): nothing to move.
-            complete = Complete(transfer.transfer_id, b"", 0, transfer.kv_ready_wall)
+        if not destinations or transfer.layers_written == self.num_layers:
+            if not transfer.final:
+                return []
+            # Nothing (more) to move, e.g. decode holds every block in its prefix cache.
+            complete = Complete(transfer.transfer_id, b"", transfer.nbytes, transfer.kv_ready_wall)
             return [Send(transfer.peer, complete)] + self._end(transfer, "sent", now)
+        if transfer.layers_written == transfer.layers_ready:
+            return []
+        last = transfer.final and transfer.layers_ready == self.num_layers
         transfer.state = "writing"
+        transfer.writing_upto = transfer.layers_ready
         return [
             PostWrite(
                 transfer.transfer_id,
                 transfer.peer,
                 sources[: len(destinations)],
                 destinations,
-                _notif(transfer.transfer_id),
+                _notif(transfer.transfer_id) if last else b"",
+                (transfer.layers_written, transfer.layers_ready),
             )
         ]
 
@@ -246,7 +291,7 @@ class Producer:
             return [Send(peer, Failed(tid, "bad_blocks", "a pull must ask for at least a block"))]
         transfer.peer = peer
         transfer.pull_blocks = message.num_blocks
-        if transfer.kv_blocks is not None:
+        if transfer.final:
             return self._grant(transfer, now)
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
         return []
@@ -307,6 +352,7 @@ class Producer:
         for kind, tid in self._deadlines.pop_expired(now):
             if kind == "tomb":
                 self._tombstones.pop(tid, None)
+                self._released.discard(tid)
             elif kind == "heartbeat":
                 actions += self._heartbeats(now)
             elif kind == "lease" and tid in self._transfers:
@@ -332,10 +378,10 @@ class Producer:
         """Tell each consumer which of its registrations are still being computed."""
         waiting: dict[str, list[str]] = {}
         for transfer in self._transfers.values():
-            computing = transfer.kv_blocks is None and transfer.in_engine
+            computing = not transfer.final and (transfer.in_engine or bool(transfer.kv_blocks))
             if transfer.peer in self._peers and (computing or transfer.state == "writing"):
                 waiting.setdefault(transfer.peer, []).append(transfer.transfer_id)
-        if any(t.kv_blocks is None for t in self._transfers.values()):
+        if any(not t.final for t in self._transfers.values()):
             self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
         return [Send(peer, Heartbeat(tids)) for peer, tids in waiting.items()]
 
@@ -354,6 +400,7 @@ class Producer:
         if notify and transfer.peer in self._peers:
             actions.append(Send(transfer.peer, Failed(tid, outcome, detail)))
         if transfer.kv_blocks is not None:
+            self._released.add(tid)
             actions.append(ReleaseBlocks(tid, outcome))
         return actions
 

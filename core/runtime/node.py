@@ -117,7 +117,7 @@ class Node:
         self.backends = backends or get_backends()
         self.metrics = metrics or Metrics()
         self.loop = Loop(f"kvpush-{config.engine_id}-r{config.rank}")
-        self.producer = Producer(config.protocol)
+        self.producer = Producer(config.protocol, num_layers=len(kv.layout.layers))
         self.consumer = Consumer(config.protocol, kv.layout.digest())
         self.agent: NixlAgent | None = None
         self.listener: Listener | None = None
@@ -127,7 +127,7 @@ class Node:
         self._local_tables: dict[bool, tuple[BlockTable, PreparedList]] = {}
         self._writes: dict[str, _InFlight] = {}
         self._reads: dict[str, _InFlight] = {}
-        self._fences: dict[str, Any] = {}
+        self._fences: dict[str, dict[int, Any]] = {}  # transfer -> layers ready -> fence
         self._expected: dict[str, tuple[list[int], float]] = {}
         self._timer: TimerHandle | None = None
         self._timer_at: float | None = None
@@ -174,6 +174,7 @@ class Node:
                 self.loop.stop()
 
     def _close_on_loop(self) -> None:
+        self.loop.remove_poller(self)
         if self.listener is not None:
             self.listener.close()
         for link in list(self._links.values()):
@@ -210,16 +211,27 @@ class Node:
         block_ids: Sequence[int],
         fence: Any = None,
         ready_wall: float | None = None,
+        layers: int | None = None,
     ) -> None:
-        """Producer: the request's KV is computed; `fence` marks its last device write."""
+        """Producer: layers 0..layers-1 (all if None) of the request's KV are computed.
+
+        `fence` (from Backends.fence) marks the last device write of those layers; the
+        WRITE that reads them waits on it. Staged KV moves only once complete.
+        """
         blocks = [int(b) for b in block_ids]
         wall = time.time() if ready_wall is None else ready_wall
+        total = len(self.kv.layout.layers)
+        upto = total if layers is None else min(layers, total)
+        if upto < total and self.kv.path == "staged":
+            return  # staging copies whole blocks; it waits for the last layer
 
         def run(now: float) -> list[act.Action]:
-            self.metrics.inc("transfers_started", role="producer")
+            if transfer_id not in self._fences:
+                self.metrics.inc("transfers_started", role="producer")
+                self._fences[transfer_id] = {}
             if fence is not None:
-                self._fences[transfer_id] = fence
-            return self.producer.kv_ready(transfer_id, blocks, now, wall)
+                self._fences[transfer_id][upto] = fence
+            return self.producer.kv_ready(transfer_id, blocks, now, wall, upto)
 
         self._submit_fn(run, transfer_id)
 
@@ -460,12 +472,14 @@ class Node:
         try:
             if link is None or not link.ready:
                 raise TransportError("WRITE", "the consumer's session is gone", action.peer)
-            self.backends.wait_fence(self.kv, self._fences.pop(action.transfer_id, None))
+            self._wait_fences(action.transfer_id, action.layers[1])
             self.backends.stage(self.kv, action.src_blocks, "to_host")
             self._post(self._writes, "WRITE", link, action.transfer_id, action.src_blocks,
-                       action.dst_blocks, action.notif, now)  # fmt: skip
+                       action.dst_blocks, action.notif, now, action.layers)  # fmt: skip
         except KVPushError as exc:
             self._run(self.producer.on_write_done(action.transfer_id, False, now, str(exc)))
+            return
+        self._settle_if_finished(self._writes, action.transfer_id, self._write_finished)
 
     def _post_read(self, action: act.PostRead, now: float) -> None:
         link = self._links.get(action.peer)
@@ -476,6 +490,8 @@ class Node:
                        action.remote_blocks, b"", now)  # fmt: skip
         except KVPushError as exc:
             self._run(self.consumer.on_read_done(action.transfer_id, False, now, str(exc)))
+            return
+        self._settle_if_finished(self._reads, action.transfer_id, self._read_finished)
 
     def _post(
         self,
@@ -487,11 +503,12 @@ class Node:
         remote_blocks: list[int],
         notif: bytes,
         now: float,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         assert self.agent is not None and link.remote_table and link.remote_list
         local_table, local_list = self._local(link.split)
-        local_ids = local_table.ids(local_blocks)
-        remote_ids = link.remote_table.ids(remote_blocks)
+        local_ids = local_table.ids(local_blocks, layers)
+        remote_ids = link.remote_table.ids(remote_blocks, layers)
         nbytes = int(local_table.rows[local_ids, 1].sum())
         started = time.perf_counter()
         transfer = self.agent.post(
@@ -499,7 +516,16 @@ class Node:
         )
         self.metrics.observe("post_seconds", time.perf_counter() - started)
         deadline = now + self.config.protocol.write_grace_s
-        table[transfer_id] = _InFlight(transfer, now, deadline, local_blocks)
+        table[transfer_id] = _InFlight(transfer, time.monotonic(), deadline, local_blocks)
+
+    def _wait_fences(self, transfer_id: str, upto: int) -> None:
+        """Wait on the fence of every layer the WRITE reads.
+
+        Each, not just the latest: a backend's fence may cover only its own layer.
+        """
+        fences = self._fences.get(transfer_id, {})
+        for layers in sorted(layers for layers in fences if layers <= upto):
+            self.backends.wait_fence(self.kv, fences.pop(layers))
 
     def _local(self, split: bool) -> tuple[BlockTable, PreparedList]:
         if split not in self._local_tables:
@@ -550,6 +576,20 @@ class Node:
             self._run(self.consumer.on_notif(peer, message, now))
         return progressed or bool(notifs)
 
+    def _settle_if_finished(self, table: dict[str, _InFlight], tid: str, finished: Any) -> None:
+        """A transfer that completed inside its posting call ends now, not at the next poll."""
+        flight = table.get(tid)
+        if flight is not None and flight.transfer.finished:
+            del table[tid]
+            self._succeeded(tid, flight, time.monotonic(), finished)
+
+    def _succeeded(self, tid: str, flight: _InFlight, now: float, finished: Any) -> None:
+        assert self.agent is not None
+        self.agent.release(flight.transfer)
+        self.metrics.observe("transfer_seconds", now - flight.posted)
+        self.metrics.inc("bytes_moved", flight.transfer.nbytes, op=flight.transfer.op)
+        finished(tid, flight, True, "", now)
+
     def _check_transfers(self, table: dict[str, _InFlight], now: float, finished: Any) -> bool:
         assert self.agent is not None
         progressed = False
@@ -563,10 +603,7 @@ class Node:
                 continue
             if done:
                 del table[transfer_id]
-                self.agent.release(flight.transfer)
-                self.metrics.observe("transfer_seconds", now - flight.posted)
-                self.metrics.inc("bytes_moved", flight.transfer.nbytes, op=flight.transfer.op)
-                finished(transfer_id, flight, True, "", now)
+                self._succeeded(transfer_id, flight, now, finished)
                 progressed = True
             elif now > flight.deadline:
                 del table[transfer_id]

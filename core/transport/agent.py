@@ -102,6 +102,7 @@ class Transfer:
     op: str
     peer: str
     nbytes: int
+    finished: bool = False  # completed inside the posting call (shared memory does)
 
 
 def _fail(op: str, exc: BaseException, peer: str | None = None) -> TransportError:
@@ -228,7 +229,7 @@ class NixlAgent:
     ) -> Transfer:
         """Make and start a WRITE (local -> remote) or READ (remote -> local) of the given rows."""
         transfer = self.make_transfer(op, local, local_ids, remote, remote_ids, notif, nbytes)
-        self.start(transfer)
+        transfer.finished = self.start(transfer)
         return transfer
 
     def make_transfer(

@@ -191,7 +191,7 @@ class Loop:
     # -- the loop --------------------------------------------------------------------
 
     def _run(self) -> None:
-        interval = self.min_poll
+        interval = 0.0
         next_idle_poll = time.monotonic() + self.idle_tick
         while not self._stopping:
             pending = any(p.pending() for p in self._pollers)
@@ -201,31 +201,37 @@ class Loop:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
             if self._calls:
                 timeout = 0.0
-            self._wait(timeout)
-            progressed = self._run_calls()
+            progressed = self._wait(timeout) > 0
+            progressed |= self._run_calls()
+            # A message or call may have just made work pending: poll in this round.
+            pending = pending or any(p.pending() for p in self._pollers)
             if pending or time.monotonic() >= next_idle_poll:
                 next_idle_poll = time.monotonic() + self.idle_tick
                 progressed |= self._poll()
             progressed |= self._run_timers()
-            interval = self.min_poll if progressed else min(interval * 2, self.max_poll)
+            # While things happen, look again at once; when they stop, back off.
+            interval = 0.0 if progressed else min(max(interval * 2, self.min_poll), self.max_poll)
         self._run_calls()
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
 
-    def _wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float) -> int:
+        """Wait for sockets up to `timeout`; returns how many were ready."""
         # epoll rounds timeouts up to whole milliseconds; below one, sleep instead:
         # being late by a fraction of a millisecond for a socket is fine.
         if 0 < timeout < 1e-3:
             time.sleep(timeout)
             timeout = 0.0
-        for key, mask in self._selector.select(timeout):
+        events = self._selector.select(timeout)
+        for key, mask in events:
             self.wakeups += 1
             reader, writer = key.data
             if mask & selectors.EVENT_READ and reader is not None:
                 self._guard(reader)
             if mask & selectors.EVENT_WRITE and writer is not None and key.data[1] is writer:
                 self._guard(writer)
+        return len(events)
 
     def _run_calls(self) -> bool:
         ran = False

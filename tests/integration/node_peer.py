@@ -89,14 +89,25 @@ class NodePeer:
         self.node.kv_pending(tid)
         return {}
 
-    def kv_ready(self, tid: str, blocks: list[int], value: int) -> dict:
-        for tensor in self.tensors.values():
+    def kv_ready(
+        self, tid: str, blocks: list[int], value: int, layers: list[int] | None = None
+    ) -> dict:
+        """Compute (write `value` into) the given layers of `blocks`, then say so.
+
+        With `layers`, the node hears that every layer up to the last one given is
+        ready; without, that all are.
+        """
+        names = list(self.tensors)
+        chosen = [names[i] for i in layers] if layers is not None else names
+        for name in chosen:
+            tensor = self.tensors[name]
             if isinstance(tensor, GatedTensor):
                 tensor.write(blocks, value)  # lands only at the fence
             else:
                 tensor[blocks] = value
+        upto = None if layers is None else max(layers) + 1
         fence = self.backends.fence(self.kv)
-        self.node.kv_ready(tid, blocks, fence)
+        self.node.kv_ready(tid, blocks, fence, layers=upto)
         return {}
 
     def abort(self, tid: str) -> dict:

@@ -70,6 +70,27 @@ def test_push_moves_the_bytes_into_the_registered_blocks(spawn, order):
     _quiet(consumer)
 
 
+def test_layers_cross_as_they_are_computed(spawn):
+    producer = spawn("producer", "prefill", layers=4)
+    consumer = spawn("consumer", "decode", layers=4)
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[8, 9])
+    time.sleep(0.3)
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x51, layers=[0])
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x51, layers=[1, 2])
+    time.sleep(0.3)
+    # Three layers have crossed already; the transfer is not complete without the last.
+    assert consumer.call("results", count=1, seconds=0.3)["outcomes"] == []
+    partial = _values(consumer)
+    assert [layer[8] for layer in partial] == [[0x51], [0x51], [0x51], [0]]
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x51, layers=[3])
+    assert _one(consumer)["kind"] == "delivered"
+    for layer in _values(consumer):
+        assert layer[8] == [0x51] and layer[9] == [0x51]
+    assert _one(producer)["reason"] == "sent"
+    metrics = producer.call("stats")["metrics"]
+    assert metrics["bytes_moved"]["op=WRITE"] == 4 * 2 * 4096
+
+
 def test_write_that_fails_to_post_fails_the_consumer_at_once(spawn):
     producer = spawn("producer", "prefill")
     consumer = spawn("consumer", "decode")

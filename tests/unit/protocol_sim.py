@@ -80,7 +80,7 @@ class ConsumerSide:
     machine: Consumer
     hello: Hello
     ledger: Ledger
-    memory: dict[int, str] = field(default_factory=dict)  # block -> transfer whose bytes
+    memory: dict[tuple[int, int], str] = field(default_factory=dict)  # (block, layer) -> tid
     expected: dict[str, list[int]] = field(default_factory=dict)
     delivered: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
@@ -96,6 +96,7 @@ class Sim:
         producer_blocks: int = 64,
         consumer_blocks: int = 64,
         handshake_ok: bool = True,
+        layers: int = 1,
     ) -> None:
         self.config = config or ProtocolConfig(
             mode=mode,
@@ -111,7 +112,8 @@ class Sim:
         self.mode = self.config.mode
         self.now = 0.0
         self.handshake_ok = handshake_ok
-        self.producer = Producer(self.config)
+        self.layers = layers
+        self.producer = Producer(self.config, num_layers=layers)
         self.producer_hello = hello(
             "producer", self.mode, producer_blocks, "prefill", 0x100000, self.config
         )
@@ -145,10 +147,13 @@ class Sim:
         self._run_consumer(side, side.machine.expect(tid, PRODUCER, ids, self.now, skip))
         return ids
 
-    def ready(self, tid: str, blocks: int = 4) -> list[int]:
-        ids = self.p_ledger.alloc(tid, blocks)
-        self.kv_ready.add(tid)
-        self._run_producer(self.producer.kv_ready(tid, ids, self.now))
+    def ready(self, tid: str, blocks: int = 4, layers: int | None = None) -> list[int]:
+        """The KV of `tid` is computed, up to `layers` layers (all by default)."""
+        if tid not in self.kv_ready:
+            self.p_ledger.alloc(tid, blocks)
+            self.kv_ready.add(tid)
+        ids = [b for b, owner in self.p_ledger.owner.items() if owner == tid]
+        self._run_producer(self.producer.kv_ready(tid, ids, self.now, layers=layers))
         return ids
 
     def pending(self, tid: str) -> None:
@@ -190,8 +195,10 @@ class Sim:
                     if side.ledger.owner.get(block) != tid:
                         owner = side.ledger.owner.get(block, "the free pool")
                         self.errors.append(f"WRITE {tid} landed in block {block} of {owner}")
-                    side.memory[block] = tid
-                self.notifs.append((consumer, post.notif))
+                    for layer in range(*post.layers):
+                        side.memory[(block, layer)] = tid
+                if post.notif:
+                    self.notifs.append((consumer, post.notif))
             self._run_producer(self.producer.on_write_done(tid, ok, self.now, "" if ok else "boom"))
 
     def finish_reads(self, ok: bool = True) -> None:
@@ -202,7 +209,8 @@ class Sim:
                     self.errors.append(f"READ {tid} read producer blocks already freed")
                 if ok:
                     for block in post.local_blocks:
-                        side.memory[block] = tid
+                        for layer in range(self.layers):
+                            side.memory[(block, layer)] = tid
                 self._run_consumer(side, side.machine.on_read_done(tid, ok, self.now))
 
     def poll_notifs(self) -> None:
@@ -303,7 +311,12 @@ class Sim:
             elif isinstance(action, act.Delivered):
                 tid = action.transfer_id
                 self._end(side, tid)
-                wrong = [b for b in side.expected[tid] if side.memory.get(b) != tid]
+                wrong = [
+                    (b, layer)
+                    for b in side.expected[tid]
+                    for layer in range(self.layers)
+                    if side.memory.get((b, layer)) != tid
+                ]
                 if wrong:
                     self.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
                 side.delivered.append(tid)

@@ -337,7 +337,7 @@ def test_retry_with_a_new_transfer_id_never_gets_old_bytes():
     assert sim.consumers["decode1"].delivered == ["new"]
     assert sim.consumers["decode0"].failed == {"old": "aborted"}
     for block in sim.consumers["decode1"].expected["new"]:
-        assert sim.consumers["decode1"].memory[block] == "new"
+        assert sim.consumers["decode1"].memory[(block, 0)] == "new"
     sim.check()
 
 
@@ -356,6 +356,74 @@ def test_duplicate_expect_is_an_engine_error():
     sim.expect("t1")
     with pytest.raises(ProtocolError, match="already expected"):
         sim.c.machine.expect("t1", PRODUCER, [9], sim.now)
+
+
+# -- layer by layer ------------------------------------------------------------------
+
+
+def test_layers_are_written_as_they_become_ready():
+    sim = Sim(layers=4)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1", layers=1)
+    _, first = sim.writes["t1"]
+    assert first.layers == (0, 1) and first.notif == b""  # no notification mid-way
+    sim.ready("t1", layers=3)  # two more layers while the first WRITE is in flight
+    sim.finish_writes()
+    _, second = sim.writes["t1"]
+    assert second.layers == (1, 3)
+    sim.finish_writes()
+    assert not sim.writes  # layer 3 is not computed yet
+    assert sim.c.delivered == []
+    sim.ready("t1")  # the last layer: the producer is done
+    _, last = sim.writes["t1"]
+    assert last.layers == (3, 4) and last.notif
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_registration_after_some_layers_writes_them_at_once():
+    sim = Sim(layers=4)
+    sim.ready("t1", layers=2)
+    sim.expect("t1")
+    sim.deliver()
+    _, post = sim.writes["t1"]
+    assert post.layers == (0, 2)
+    sim.ready("t1")
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_cancel_between_layer_writes_stops_the_rest():
+    sim = Sim(layers=4)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1", layers=2)
+    sim.abort_consumer("t1")
+    sim.deliver()  # the cancel reaches the producer while layers 0-1 are in flight
+    sim.finish_writes()
+    sim.deliver()
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.ready("t1")  # the engine finishes computing: nothing more is written
+    assert not sim.writes
+    sim.settle()
+    sim.check()
+
+
+def test_a_failed_layer_write_fails_the_transfer():
+    sim = Sim(layers=3)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1", layers=1)
+    sim.finish_writes(ok=False)
+    sim.deliver()
+    assert sim.c.failed == {"t1": "write_failed"}
+    sim.ready("t1")
+    sim.settle()
+    assert sim.released == {"t1": "write_failed"}
+    sim.check()
 
 
 # -- pull mode ----------------------------------------------------------------------

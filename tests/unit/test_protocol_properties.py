@@ -42,7 +42,7 @@ stray_message = st.one_of(
 
 event = st.one_of(
     st.tuples(st.just("expect"), tid, consumer, st.integers(0, 4), st.integers(0, 2)),
-    st.tuples(st.just("ready"), tid, st.integers(0, 4)),
+    st.tuples(st.just("ready"), tid, st.integers(0, 4), st.sampled_from([1, 2, None])),
     st.tuples(st.just("pending"), tid),
     st.tuples(st.just("abort_c"), tid, consumer),
     st.tuples(st.just("abort_p"), tid),
@@ -66,8 +66,9 @@ def _play(sim: Sim, events: list[tuple]) -> None:
             expected.add((ev[1], ev[2]))
             sim.expect(ev[1], blocks=ev[3], consumer=ev[2], skip=ev[4])
         elif kind == "ready" and ev[1] not in ready:
-            ready.add(ev[1])
-            sim.ready(ev[1], blocks=ev[2])
+            if ev[3] is None:
+                ready.add(ev[1])
+            sim.ready(ev[1], blocks=ev[2], layers=ev[3])
         elif kind == "pending":
             sim.pending(ev[1])
         elif kind == "abort_c":
@@ -98,8 +99,10 @@ def _play(sim: Sim, events: list[tuple]) -> None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["push", "pull"]), events=st.lists(event, max_size=40))
 def test_random_event_orders_keep_every_block_accounted(mode, events):
-    sim = Sim(mode=mode, consumers=2)
+    sim = Sim(mode=mode, consumers=2, layers=3)
     _play(sim, events)
+    for transfer_id in sim.kv_ready:  # the prefill engine finishes what it started
+        sim.ready(transfer_id)
     sim.settle()
     sim.check()
 
