@@ -35,7 +35,7 @@ class ProtocolConfig:
     registration_ttl_s: float = 60.0
     watchdog_s: float = 30.0
     heartbeat_s: float = 2.0
-    write_grace_s: float = 2.0
+    write_grace_s: float = 10.0
     landing_s: float = 5.0
     max_wait_s: float = 600.0
     tombstone_s: float = 300.0
