@@ -67,6 +67,26 @@ def _bench_protocol(args: argparse.Namespace) -> int:
     return protocol.main(points, settings, args.json)
 
 
+def _router(args: argparse.Namespace) -> int:
+    from kvpush.router.app import RouterConfig, run
+    from kvpush.router.instances import Instance
+
+    config = RouterConfig(
+        prefill=[Instance.parse(spec, "prefill") for spec in args.prefill],
+        decode=[Instance.parse(spec, "decode") for spec in args.decode],
+        mode=args.mode,
+        timeout_s=args.timeout,
+    )
+    run(config, args.host, args.port)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvpush.demo.main import main
+
+    return main(keep=args.keep, max_tokens=args.max_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +126,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proto.add_argument("--idle-seconds", type=float, default=3.0)
     proto.set_defaults(run=_bench_protocol)
+
+    router = commands.add_parser(
+        "router", help="OpenAI-compatible router sending prefill and decode legs"
+    )
+    router.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL[,bootstrap=PORT]",
+        help="a prefill vLLM server; bootstrap= is its kvpush identity_port (repeatable)",
+    )
+    router.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="a decode vLLM server"
+    )
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--mode", choices=("push", "pull"), default="push")
+    router.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    router.set_defaults(run=_router)
+
+    demo = commands.add_parser(
+        "demo", help="tiny model, vLLM prefill + decode with kvpush, router, a few requests"
+    )
+    demo.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.set_defaults(run=_demo)
     return parser
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pluggy
+
 from kvpush.device import BackendInfo, DeviceKV, Probe
 
 PROJECT = "kvpush"

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from kvpush.device import BackendInfo, DeviceKV, Probe
 from kvpush.errors import BackendError, RegionError
 from kvpush.hookspecs import hookimpl

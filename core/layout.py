@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import msgspec
 import numpy as np
+
 from kvpush.errors import RegionError
 from kvpush.regions import MemRegion, merge_regions
 

@@ -13,6 +13,7 @@ from importlib import metadata
 from typing import Any
 
 import pluggy
+
 from kvpush import hookspecs
 from kvpush.device import BackendInfo, DeviceKV, Probe
 from kvpush.errors import BackendError, BackendNotImplemented, ConfigError

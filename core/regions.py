@@ -6,6 +6,7 @@ Backends turn device tensors into these; the core never looks at a tensor.
 from __future__ import annotations
 
 import msgspec
+
 from kvpush.errors import RegionError
 
 MEM_TYPES = ("DRAM", "VRAM")

@@ -1,17 +1,52 @@
-"""CUDA backend hooks."""
+"""CUDA backend hooks: GPU KV tensors as VRAM regions, CUDA events as fences.
+
+Everything CUDA-specific goes through kvpush_cuda.runtime (torch.cuda, imported on
+first use); the layout is read from the live tensors by kvpush.layout.
+
+device_options the backend reads (the `config` of describe and prepare_process):
+  staging: "off" (default; NIXL reads GPU memory directly, "auto" means the same) or
+      "host" (copy through pinned host buffers, for setups without GPUDirect);
+  pin_staging: pin the host buffers (default true);
+  dims: override the dimension names the engine integration passed;
+  tokens_per_block: when the dims name no "tokens" dimension.
+"""
 
 from __future__ import annotations
 
 import glob
+import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvpush.device import BackendInfo, DeviceKV, Probe
-from kvpush.errors import BackendNotImplemented
+from kvpush.errors import BackendError, ConfigError
 from kvpush.hookspecs import hookimpl
+from kvpush.host_backend import torch_view
+from kvpush.layout import layout_from_views
+
+from kvpush_cuda.runtime import get_runtime
+from kvpush_cuda.staging import HostStaging
 
 NAME = "cuda"
-_MISSING = ("kvpush_describe_kv",)
+STAGING = ("off", "auto", "host")
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CudaState:
+    """The backend's own part of a DeviceKV: the tensors (kept alive), device, staging."""
+
+    tensors: dict[str, Any]
+    index: int
+    staging: HostStaging | None = None
+
+
+def staging_mode(config: Mapping[str, Any]) -> str:
+    mode = config.get("staging", "off")
+    if mode not in STAGING:
+        raise ConfigError(f"device_options staging must be one of {STAGING}, got {mode!r}")
+    return "host" if mode == "host" else "off"
 
 
 @hookimpl
@@ -19,15 +54,14 @@ def kvpush_backend_info() -> BackendInfo:
     return BackendInfo(
         NAME,
         device_types=("cuda",),
-        mem_types=("VRAM",),
-        transfer_paths=("direct",),
-        missing=_MISSING,
+        mem_types=("VRAM", "DRAM"),
+        transfer_paths=("direct", "staged"),
     )
 
 
 @hookimpl
 def kvpush_probe() -> Probe:
-    # The driver's /proc entries answer without creating a CUDA context.
+    # The driver's /proc entries answer without importing torch or creating a context.
     gpus = glob.glob("/proc/driver/nvidia/gpus/*")
     if gpus:
         return Probe(NAME, True, f"{len(gpus)} NVIDIA GPU(s) in /proc/driver/nvidia/gpus")
@@ -35,10 +69,77 @@ def kvpush_probe() -> Probe:
 
 
 @hookimpl
+def kvpush_prepare_process(device_type: str, local_rank: int, config: Mapping[str, Any]) -> None:
+    if device_type == NAME:
+        staging_mode(config)  # a bad option fails here, before the engine allocates
+
+
+@hookimpl
 def kvpush_describe_kv(
     tensors: Mapping[str, Any], dims: Sequence[str], config: Mapping[str, Any]
 ) -> DeviceKV | None:
-    first = next(iter(tensors.values()))
-    if getattr(getattr(first, "device", None), "type", None) != "cuda":
+    runtime = get_runtime()
+    devices = {name: runtime.device_index(t) for name, t in tensors.items()}
+    if all(index is None for index in devices.values()):
         return None
-    raise BackendNotImplemented("describing CUDA KV tensors is not implemented for backend 'cuda'")
+    strays = sorted(name for name, index in devices.items() if index is None)
+    if strays:
+        raise BackendError(f"KV tensors {strays} are not on a CUDA device but the others are")
+    if len(set(devices.values())) != 1:
+        raise BackendError(
+            f"a worker's KV must live on one GPU; got devices {sorted(set(devices.values()))}"
+        )
+    index = next(iter(devices.values()))
+    dims = tuple(config.get("dims") or dims)
+    tokens = int(config.get("tokens_per_block", 0))
+    # NIXL must see the memory as it lies; the strides say how (permuted caches included).
+    views = {name: torch_view(t, index, runtime.mem_type) for name, t in tensors.items()}
+    layout = layout_from_views(views, dims, tokens)
+    state = CudaState(dict(tensors), index)
+    if staging_mode(config) == "off":
+        return DeviceKV(NAME, f"cuda:{index}", layout, "direct", state=state)
+    state.staging = HostStaging(
+        tensors, dims, runtime, index, pin=bool(config.get("pin_staging", True))
+    )
+    staged = state.staging.layout(dims, layout.tokens_per_block)
+    log.info("kvpush cuda: KV on cuda:%d is staged through host memory (staging=host)", index)
+    return DeviceKV(NAME, f"cuda:{index}", staged, "staged", device_layout=layout, state=state)
+
+
+@hookimpl
+def kvpush_nixl_backends(kv: DeviceKV, requested: Sequence[str]) -> list[str]:
+    # UCX reaches GPU memory (cuda_copy, cuda_ipc, GPUDirect RDMA); LIBFABRIC (EFA)
+    # registers it as FI_HMEM_CUDA. Either serves host staging buffers.
+    return list(requested) or ["UCX"]
+
+
+@hookimpl
+def kvpush_bind_thread(kv: DeviceKV) -> None:
+    # Without a current device on the NIXL thread, UCX loses its CUDA-IPC/NVLink paths.
+    get_runtime().set_device(kv.state.index)
+
+
+@hookimpl
+def kvpush_fence(kv: DeviceKV, layer: str | None) -> Any:
+    # The layer's KV was written by kernels queued on the current stream; an event
+    # recorded now completes when they have. RDMA ignores stream order, so the WRITE
+    # must wait for it. One stream runs in order, so this event also covers earlier layers.
+    return get_runtime().record_event(kv.state.index)
+
+
+@hookimpl
+def kvpush_wait_fence(kv: DeviceKV, fence: Any) -> None:
+    get_runtime().wait_event(fence)
+
+
+@hookimpl
+def kvpush_stage_blocks(kv: DeviceKV, block_ids: Sequence[int], direction: str) -> None:
+    if kv.state.staging is None:
+        raise BackendError(f"KV on {kv.device} is not staged; nothing to copy")
+    kv.state.staging.copy(block_ids, direction)
+
+
+@hookimpl
+def kvpush_release(kv: DeviceKV) -> None:
+    if kv.state.staging is not None:
+        kv.state.staging.release()

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
 from kvpush.plugins import get_backends
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.runtime.node import Node, NodeConfig

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvpush.layout import BlockTable, KVLayout
 from kvpush.plugins import get_backends
 from kvpush.transport.agent import AgentConfig, NixlAgent

@@ -18,6 +18,7 @@ import logging
 import os
 
 import msgspec
+
 from kvpush.errors import AuthError, ConfigError, ProtocolError
 from kvpush.protocol.messages import PROTOCOL_VERSION, Hello, Message, Reject, decode, encode
 

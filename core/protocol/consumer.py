@@ -263,6 +263,14 @@ class Consumer:
         """True while a completed WRITE's notification is still to be polled for."""
         return any(t.state == "landing" for t in self._transfers.values())
 
+    def awaiting_writes(self) -> bool:
+        """True while a producer may be writing into our blocks.
+
+        Over transports where the target must drive progress (UCX over TCP), the I/O
+        layer keeps calling into NIXL meanwhile.
+        """
+        return any(t.state in ("registered", "landing") for t in self._transfers.values())
+
     # -- internals -------------------------------------------------------------------
 
     def _ready(self, peer: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
+
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout
 

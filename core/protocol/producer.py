@@ -417,6 +417,10 @@ class Producer:
     def active(self) -> int:
         return len(self._transfers)
 
+    def awaiting_reads(self) -> bool:
+        """True while a consumer may be reading our blocks (pull)."""
+        return any(t.state == "granted" for t in self._transfers.values())
+
 
 def _notif(transfer_id: str) -> bytes:
     return b"kvpush:" + transfer_id.encode()

@@ -556,7 +556,13 @@ class Node:
     # -- polling and timers (loop thread) --------------------------------------------------
 
     def pending(self) -> bool:
-        return bool(self._writes or self._reads) or self.consumer.landing()
+        # Also while a peer may be moving bytes into or out of our memory: some transports
+        # (UCX over TCP) complete one-sided operations only when the target calls NIXL.
+        return (
+            bool(self._writes or self._reads)
+            or self.consumer.awaiting_writes()
+            or self.producer.awaiting_reads()
+        )
 
     def poll(self) -> bool:
         assert self.agent is not None

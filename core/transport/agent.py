@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from kvpush.errors import KVPushError, MetadataError, PeerLostError, RegionError, TransportError
 from kvpush.regions import MemRegion, merge_regions
 

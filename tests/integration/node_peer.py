@@ -3,7 +3,8 @@
 `device="host"` keeps the KV in numpy arrays (the built-in host backend);
 `device="gated"` keeps it on the example backend's imaginary device, whose fence
 blocks until the test opens a gate: that holds a WRITE between "KV ready" and
-"posted" for exactly as long as a test needs.
+"posted" for exactly as long as a test needs. The kinds in tests/backends/kv_devices.py
+("neuron", "cuda-staged", ...) keep it on a fake device in that engine's real layout.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
 
+import kv_devices
 import kvpush_example_backend as example
 from kvpush.plugins import Backends
 from kvpush.protocol.config import ProtocolConfig
@@ -46,18 +49,16 @@ class NodePeer:
         secret: str = "test-secret",
         rank: int = 0,
         world: int = 1,
+        lock_dir: str = "",
         **protocol: float,
     ) -> None:
-        self.backends = Backends(["host"])
-        if device == "gated":
-            self.backends.add(example, "example")
-            self.tensors = {f"layer.{i}": GatedTensor((blocks, block_bytes)) for i in range(layers)}
-            for tensor in self.tensors.values():
-                tensor.memory[:] = fill
+        self.cache = None
+        if device in kv_devices.KINDS:
+            self.cache = kv_devices.FakeDeviceCache(device, layers, blocks, lock_dir)
+            self.backends, self.tensors = self.cache.backends, self.cache.tensors
+            self.kv = self.cache.kv
         else:
-            self.buf = np.full((layers, blocks, block_bytes), fill, dtype=np.uint8)
-            self.tensors = {f"layer.{i}": self.buf[i] for i in range(layers)}
-        self.kv = self.backends.describe(self.tensors, ("blocks", "bytes"))
+            self._init_buffers(device, layers, blocks, block_bytes, fill)
         config = NodeConfig(
             engine_id,
             role,
@@ -69,9 +70,26 @@ class NodePeer:
         self.node = Node(config, self.kv, self.backends).start()
         self.outcomes: list[dict] = []
 
+    def _init_buffers(
+        self, device: str, layers: int, blocks: int, block_bytes: int, fill: int
+    ) -> None:
+        self.backends = Backends(["host"])
+        if device == "gated":
+            self.backends.add(example, "example")
+            self.tensors = {f"layer.{i}": GatedTensor((blocks, block_bytes)) for i in range(layers)}
+            for tensor in self.tensors.values():
+                tensor.memory[:] = fill
+        else:
+            self.buf = np.full((layers, blocks, block_bytes), fill, dtype=np.uint8)
+            self.tensors = {f"layer.{i}": self.buf[i] for i in range(layers)}
+        self.kv = self.backends.describe(self.tensors, ("blocks", "bytes"))
+
     def hello(self) -> dict:
         listening = self.node.config.role != "consumer"
-        return {"address": self.node.address if listening else None}
+        reply = {"address": self.node.address if listening else None}
+        if self.cache is not None:
+            reply.update(path=self.kv.path, mem_type=self.kv.layout.mem_type, device=self.kv.device)
+        return reply
 
     def _memory(self, name: str) -> np.ndarray:
         tensor = self.tensors[name]
@@ -109,6 +127,23 @@ class NodePeer:
         fence = self.backends.fence(self.kv)
         self.node.kv_ready(tid, blocks, fence, layers=upto)
         return {}
+
+    def kv_ready_pattern(self, tid: str, blocks: list[int], seed: int, fence: bool = True) -> dict:
+        """Fake devices: compute each layer of `blocks` (kv_devices.pattern bytes) and say
+        so layer by layer, each with its own fence (or none, to show what that sends)."""
+        for layer, name in enumerate(self.tensors):
+            self.cache.write(name, layer, blocks, seed)
+            marker = self.backends.fence(self.kv, name) if fence else None
+            self.node.kv_ready(tid, blocks, marker, layers=layer + 1)
+        return {}
+
+    def digests(self, blocks: list[int]) -> dict:
+        return {"digests": self.cache.digests(blocks)}
+
+    def pairings(self) -> dict:
+        """For each paired peer: whether transfers go at K/V granularity (layouts differ)."""
+        links = self.node.loop.call(lambda: list(self.node._links.values()))
+        return {"split": sorted(link.split for link in links if link.ready)}
 
     def abort(self, tid: str) -> dict:
         self.node.abort(tid)

@@ -1,0 +1,1 @@
+"""The embedded default: a tiny model built locally and real vLLM servers around it."""

@@ -1,0 +1,146 @@
+"""A disaggregated deployment on one machine: vLLM prefill and decode servers running
+KVPushConnector, and the kvpush router in front. Used by `kvpush demo` and the
+end-to-end tests alike.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvpush.demo.servers import ServerSpec, VllmServer
+from kvpush.errors import KVPushError
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kvpush_transfer_config(
+    role: str, mode: str = "push", policy: str = "fail", **extra: Any
+) -> dict[str, Any]:
+    """A --kv-transfer-config for KVPushConnector (by name: the vLLM plugin registers it)."""
+    if role not in ROLES:
+        raise KVPushError(f"kv_role must be one of {ROLES}, got {role!r}")
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"mode": mode, **extra},
+    }
+
+
+class Cluster:
+    """Servers and a router under one work directory; stop() ends them all."""
+
+    def __init__(self, workdir: Path, model: Path, secret: str = "kvpush-demo") -> None:
+        self.workdir = workdir
+        self.model = model
+        self.secret = secret
+        self.servers: dict[str, VllmServer] = {}
+        self.identity_ports: dict[str, int] = {}
+        self.router: subprocess.Popen | None = None
+        self.router_url = ""
+
+    def add_server(
+        self,
+        name: str,
+        role: str | None,
+        core: int | None,
+        mode: str = "push",
+        policy: str = "fail",
+        model: Path | None = None,
+        **extra: Any,
+    ) -> VllmServer:
+        """Configure (not start) a server; role None means a plain vLLM without kvpush."""
+        transfer = None
+        if role is not None:
+            self.identity_ports[name] = free_port()
+            extra.setdefault("identity_port", self.identity_ports[name])
+            transfer = kvpush_transfer_config(role, mode, policy, **extra)
+        spec = ServerSpec(
+            name, model or self.model, free_port(), transfer, core=core,
+            env={"KVPUSH_SECRET": self.secret},
+        )  # fmt: skip
+        server = self.servers[name] = VllmServer(spec, self.workdir)
+        return server
+
+    def start(self, *names: str, timeout: float = 600.0) -> None:
+        """Start the named servers together and wait until each answers /health."""
+        chosen = [self.servers[n] for n in names or self.servers]
+        for server in chosen:
+            server.start()
+        for server in chosen:
+            server.wait_healthy(timeout)
+
+    def restart(self, name: str, timeout: float = 600.0) -> None:
+        self.servers[name].stop()
+        self.start(name, timeout=timeout)
+
+    def prefill_spec(self, name: str) -> str:
+        """How the router is told about a prefill server: URL plus identity port."""
+        server = self.servers[name]
+        port = self.identity_ports.get(name)
+        return f"{server.url},bootstrap={port}" if port else server.url
+
+    def identity_url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.identity_ports[name]}"
+
+    def start_router(
+        self, prefill: list[str], decode: list[str], mode: str = "push", timeout_s: float = 120.0
+    ) -> str:
+        self.stop_router()
+        port = free_port()
+        command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
+                   "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
+        for name in prefill:
+            command += ["--prefill", self.prefill_spec(name)]
+        for name in decode:
+            command += ["--decode", self.servers[name].url]
+        log = open(self.workdir / "router.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.router = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.router_url = f"http://127.0.0.1:{port}"
+        _wait_http(self.router_url + "/metrics", 60, self.router)
+        return self.router_url
+
+    def stop_router(self) -> None:
+        router, self.router = self.router, None
+        if router is not None and router.poll() is None:
+            os.killpg(router.pid, signal.SIGTERM)
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(router.pid, signal.SIGKILL)
+                router.wait(10)
+
+    def stop(self) -> None:
+        self.stop_router()
+        for server in self.servers.values():
+            server.stop()
+
+
+def _wait_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise KVPushError(f"{url}: the process exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise KVPushError(f"{url} did not answer within {timeout:.0f}s")

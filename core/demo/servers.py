@@ -1,0 +1,157 @@
+"""Start and stop real vLLM OpenAI servers (the CPU build) as process groups.
+
+Each server gets its own temp, cache and compile directories (vLLM leaves sockets
+and caches behind otherwise), is pinned to one core, and runs in its own session so
+that stopping it reaches every process it spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush.errors import KVPushError
+
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    model: Path
+    port: int
+    kv_transfer_config: dict[str, Any] | None = None
+    core: int | None = None  # CPU core for the worker's compute threads
+    kv_cache_gib: int = 1  # vLLM reads whole GiB
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class VllmServer:
+    def __init__(self, spec: ServerSpec, workdir: Path) -> None:
+        self.spec = spec
+        self.dir = workdir / spec.name
+        self.log_path = self.dir / "server.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(spec.model), "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(spec.port),
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+        ]  # fmt: skip
+        if spec.kv_transfer_config is not None:
+            command += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
+        return command + spec.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for sub in ("tmp", "cache", "inductor"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        env.update(
+            TMPDIR=str(self.dir / "tmp"),
+            VLLM_CACHE_ROOT=str(self.dir / "cache"),
+            TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(self.spec.kv_cache_gib),
+            PYTHONUNBUFFERED="1",
+        )
+        if self.spec.core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.core)
+        env.update(self.spec.env)
+        return env
+
+    def start(self) -> VllmServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
+        self.process = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise KVPushError(
+                    f"vLLM server {self.spec.name!r} exited ({self.process.returncode}):\n"
+                    + self.log_tail()
+                )
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise KVPushError(
+            f"vLLM server {self.spec.name!r} not healthy after {timeout:.0f}s:\n" + self.log_tail()
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL whatever is left."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            if _group_gone(process, wait):
+                break
+
+    def kill(self) -> None:
+        """Crash the server on purpose (SIGKILL to every process): tests of peer death."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+            self.process = None
+
+
+def _group_gone(process: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    # The leader is gone; its children share the group id until they exit too.
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,308 @@
+"""The router's HTTP application (aiohttp).
+
+Per request: pick a prefill and a decode instance, mint a transfer id, and send both
+legs at once (push) or prefill first (pull). The decode leg's answer, streamed or
+not, is the client's answer. A failed leg cancels the other and gives the client an
+OpenAI-style error; a client that goes away cancels both, which makes vLLM abort
+them, which makes kvpush free their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.metrics import Metrics
+from kvpush.router.instances import Instance, Pool
+from kvpush.router.legs import (
+    decode_leg,
+    identity_from_echo,
+    new_transfer_id,
+    openai_error,
+    prefill_leg,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LegError(Exception):
+    """A leg failed; `status` and `message` are what the client is told."""
+
+    def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[Instance]
+    decode: list[Instance]
+    mode: str = "push"
+    timeout_s: float = 300.0
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.prefill = Pool(config.prefill)
+        self.decode = Pool(config.decode)
+        self.metrics = Metrics()
+        self.session: aiohttp.ClientSession | None = None
+
+    # -- application ------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self.session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        )
+        for instance in self.prefill.instances:
+            if instance.identity_url:
+                try:
+                    await self._learn_identity(instance)
+                except LegError as exc:
+                    log.warning("kvpush router: %s", exc.message)
+
+    async def _stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # -- endpoints --------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        endpoint = request.path
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            return self._error(endpoint, 400, f"invalid JSON body: {exc}", "invalid_request_error")
+        prefill, decode = self.prefill.pick(), self.decode.pick()
+        prefill.outstanding += 1
+        decode.outstanding += 1
+        self.metrics.inc("router_in_flight")
+        try:
+            return await asyncio.wait_for(
+                self._dispatch(request, endpoint, body, prefill, decode), self.config.timeout_s
+            )
+        except LegError as exc:
+            return self._error(endpoint, exc.status, exc.message, exc.kind)
+        except asyncio.TimeoutError:
+            message = f"no answer within {self.config.timeout_s:g}s"
+            return self._error(endpoint, 504, message, "timeout")
+        finally:
+            prefill.outstanding -= 1
+            decode.outstanding -= 1
+            self.metrics.inc("router_in_flight", -1)
+            self.metrics.observe("router_request_seconds", time.monotonic() - started)
+
+    async def models(self, request: web.Request) -> web.Response:
+        instance = self.decode.pick()
+        try:
+            async with self._http().get(instance.url + "/v1/models") as response:
+                return web.json_response(await response.json(), status=response.status)
+        except aiohttp.ClientError as exc:
+            return web.json_response(
+                openai_error(
+                    f"decode instance {instance.url} unreachable: {exc}", "upstream_error", 502
+                ),
+                status=502,
+            )
+
+    async def health(self, request: web.Request) -> web.Response:
+        states = await asyncio.gather(
+            *(self._healthy(i) for i in self.prefill.instances + self.decode.instances)
+        )
+        everyone = self.prefill.instances + self.decode.instances
+        report = {
+            i.url: {"role": i.role, "healthy": ok, "outstanding": i.outstanding}
+            for i, ok in zip(everyone, states, strict=True)
+        }
+        prefill_ok = any(ok for i, ok in zip(everyone, states, strict=True) if i.role == "prefill")
+        decode_ok = any(ok for i, ok in zip(everyone, states, strict=True) if i.role == "decode")
+        status = 200 if prefill_ok and decode_ok else 503
+        return web.json_response({"mode": self.config.mode, "instances": report}, status=status)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text=self.metrics.prometheus(prefix="kvpush_"), content_type="text/plain"
+        )
+
+    # -- one request ------------------------------------------------------------------
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        prefill: Instance,
+        decode: Instance,
+    ) -> web.StreamResponse:
+        transfer_id = new_transfer_id()
+        if prefill.identity is None and prefill.identity_url:
+            try:
+                await self._learn_identity(prefill)
+            except LegError as exc:
+                log.warning("kvpush router: %s", exc.message)
+        if self.config.mode == "pull" or prefill.identity is None:
+            # Pull, or a producer we have not met yet: prefill first, learn who it is.
+            answer = await self._post_json(prefill, endpoint, prefill_leg(body, transfer_id))
+            echo = identity_from_echo(answer.get("kv_transfer_params") or {})
+            if echo is None:
+                raise LegError(
+                    502,
+                    f"prefill instance {prefill.url} answered without a kvpush identity: is "
+                    "it running KVPushConnector? (an upstream NixlConnector cannot pair)",
+                )
+            prefill.identity = echo
+            return await self._relay(request, decode, endpoint, decode_leg(body, transfer_id, echo))
+        return await self._both_at_once(request, endpoint, body, transfer_id, prefill, decode)
+
+    async def _both_at_once(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        transfer_id: str,
+        prefill: Instance,
+        decode: Instance,
+    ) -> web.StreamResponse:
+        assert prefill.identity is not None
+        prefill_leg_body = prefill_leg(body, transfer_id)
+        decode_leg_body = decode_leg(body, transfer_id, prefill.identity)
+        prefill_task = asyncio.ensure_future(self._post_json(prefill, endpoint, prefill_leg_body))
+        relay = asyncio.ensure_future(self._relay(request, decode, endpoint, decode_leg_body))
+        try:
+            done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task in done and prefill_task.exception() is not None:
+                raise prefill_task.exception()  # the finally clause cancels the decode leg
+            response = await relay
+        except BaseException:
+            for task in (prefill_task, relay):
+                task.cancel()  # closing a leg's connection makes vLLM abort it
+            raise
+        # The decode leg succeeded: let the prefill leg finish on its own.
+        prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, task))
+        return response
+
+    def _prefill_done(self, prefill: Instance, task: asyncio.Future) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        echo = identity_from_echo(task.result().get("kv_transfer_params") or {})
+        if echo and prefill.identity and echo["epoch"] != prefill.identity["epoch"]:
+            log.info("kvpush router: %s restarted (new epoch); relearning", prefill.url)
+            prefill.identity = echo
+            self.metrics.inc("identity_relearned")
+
+    async def _post_json(self, instance: Instance, endpoint: str, leg: dict[str, Any]) -> dict:
+        try:
+            async with self._http().post(instance.url + endpoint, json=leg) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    self.metrics.inc("leg_failures", leg=instance.role, why=str(response.status))
+                    raise LegError(response.status, _upstream_message(instance, text))
+                return json.loads(text)
+        except aiohttp.ClientError as exc:
+            self.metrics.inc("leg_failures", leg=instance.role, why="unreachable")
+            instance.identity = None  # it may come back as a new incarnation: ask again
+            raise LegError(502, f"{instance.role} instance {instance.url} failed: {exc}") from exc
+
+    async def _relay(
+        self, request: web.Request, decode: Instance, endpoint: str, leg: dict[str, Any]
+    ) -> web.StreamResponse:
+        """Send the decode leg and pass its answer through, streamed if it streams."""
+        try:
+            async with self._http().post(decode.url + endpoint, json=leg) as response:
+                if response.status >= 400:
+                    text = (await response.read()).decode(errors="replace")
+                    self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
+                    raise LegError(response.status, _upstream_message(decode, text))
+                if not leg.get("stream"):
+                    payload = await response.read()
+                    self.metrics.inc("requests", endpoint=endpoint, status="200")
+                    return web.Response(body=payload, content_type="application/json")
+                # Answer the client only once decode has produced something: until then a
+                # failed prefill leg can still become a proper error status.
+                chunks = response.content.iter_any()
+                first = await anext(chunks, b"")
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await stream.prepare(request)
+                await stream.write(first)
+                async for chunk in chunks:
+                    await stream.write(chunk)
+                await stream.write_eof()
+                self.metrics.inc("requests", endpoint=endpoint, status="200")
+                return stream
+        except aiohttp.ClientError as exc:
+            self.metrics.inc("leg_failures", leg="decode", why="unreachable")
+            raise LegError(502, f"decode instance {decode.url} failed: {exc}") from exc
+
+    # -- helpers ----------------------------------------------------------------------
+
+    async def _learn_identity(self, instance: Instance) -> None:
+        assert instance.identity_url is not None
+        try:
+            async with self._http().get(instance.identity_url) as response:
+                answer = await response.json()
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise LegError(
+                502,
+                f"prefill instance {instance.url} has no kvpush identity at "
+                f"{instance.identity_url} ({exc}): is it running KVPushConnector with "
+                "identity_port set?",
+            ) from exc
+        if not answer.get("kvpush"):
+            raise LegError(502, f"{instance.identity_url} is not a kvpush identity endpoint")
+        if answer["transfer_mode"] != self.config.mode:
+            log.warning(
+                "kvpush router: %s is in %s mode, the router in %s mode",
+                instance.url, answer["transfer_mode"], self.config.mode,
+            )  # fmt: skip
+        instance.identity = answer
+
+    async def _healthy(self, instance: Instance) -> bool:
+        try:
+            async with self._http().get(instance.url + "/health") as response:
+                return response.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    def _http(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the router is not started"
+        return self.session
+
+    def _error(self, endpoint: str, status: int, message: str, kind: str) -> web.Response:
+        self.metrics.inc("requests", endpoint=endpoint, status=str(status))
+        return web.json_response(openai_error(message, kind, status), status=status)
+
+
+def _upstream_message(instance: Instance, text: str) -> str:
+    try:
+        detail = json.loads(text).get("error", {}).get("message") or text
+    except (ValueError, AttributeError):
+        detail = text
+    return f"{instance.role} instance {instance.url}: {str(detail)[:500]}"
+
+
+def run(config: RouterConfig, host: str, port: int) -> None:
+    """Serve until interrupted."""
+    web.run_app(Router(config).app(), host=host, port=port, print=None, handle_signals=True)

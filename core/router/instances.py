@@ -1,0 +1,55 @@
+"""The vLLM instances behind the router, and how one is picked for a request."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpush.errors import ConfigError
+
+
+@dataclass
+class Instance:
+    """One vLLM server. Prefill instances carry their kvpush identity once learned."""
+
+    url: str
+    role: str  # "prefill" | "decode"
+    identity_url: str | None = None
+    outstanding: int = 0
+    identity: dict[str, Any] | None = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, spec: str, role: str) -> Instance:
+        """ "http://host:8100" or "http://host:8100,bootstrap=8998" (identity endpoint port)."""
+        url, *options = (part.strip() for part in spec.split(","))
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{role} instance {spec!r} is not an http(s) URL")
+        identity_url = None
+        for option in options:
+            key, _, value = option.partition("=")
+            if key != "bootstrap" or not value.isdigit():
+                raise ConfigError(
+                    f"unknown option {option!r} in {spec!r}; the only option is bootstrap=PORT"
+                )
+            identity_url = f"http://{parts.hostname}:{value}/query"
+        if identity_url and role != "prefill":
+            raise ConfigError(f"bootstrap= belongs to prefill instances, not {spec!r}")
+        return cls(url.rstrip("/"), role, identity_url)
+
+
+class Pool:
+    """Least outstanding work first; round-robin among equals."""
+
+    def __init__(self, instances: list[Instance]) -> None:
+        if not instances:
+            raise ConfigError("a pool needs at least one instance")
+        self.instances = instances
+        self._turn = itertools.count()
+
+    def pick(self) -> Instance:
+        least = min(i.outstanding for i in self.instances)
+        tied = [i for i in self.instances if i.outstanding == least]
+        return tied[next(self._turn) % len(tied)]

@@ -1,0 +1,57 @@
+"""The two legs of a disaggregated request, as plain functions of the client's body.
+
+This is the contract of docs/routing.md, in code: the prefill leg computes the
+prompt's KV and one token, never streams, and names the transfer; the decode leg
+is the client's own request plus the transfer id and the producer's identity.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+
+def new_transfer_id() -> str:
+    """Fresh for every dispatch, retries included: a retry never gets old bytes."""
+    return f"xfer-{uuid.uuid4().hex}"
+
+
+def prefill_leg(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    leg["max_tokens"] = 1
+    leg.pop("max_completion_tokens", None)
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return leg
+
+
+def decode_leg(body: dict[str, Any], transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
+    """The client's request, told where its KV comes from (identity: GET /query's answer)."""
+    leg = dict(body)
+    leg["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "transfer_mode": identity["transfer_mode"],
+        "remote_engine_id": identity["engine_id"],
+        "remote_epoch": identity["epoch"],
+        "remote_addresses": list(identity["addresses"]),
+        "tp_size": identity["tp_size"],
+    }
+    return leg
+
+
+def identity_from_echo(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The producer identity a prefill response echoes, in GET /query's shape."""
+    try:
+        return {
+            "engine_id": params["remote_engine_id"],
+            "epoch": params["remote_epoch"],
+            "transfer_mode": params["transfer_mode"],
+            "addresses": list(params["remote_addresses"]),
+            "tp_size": params["tp_size"],
+        }
+    except (KeyError, TypeError):
+        return None
+
+
+def openai_error(message: str, kind: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

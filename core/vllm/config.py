@@ -1,0 +1,102 @@
+"""KVPushConnector settings, read from kv_connector_extra_config and validated.
+
+Every key is listed here; an unknown key or a bad value is a ConfigError naming it,
+raised when vLLM builds the connector, before any request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.errors import ConfigError
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.transport.agent import AgentConfig
+
+_PROTOCOL_KEYS = {f.name for f in dataclasses.fields(ProtocolConfig)} - {"mode"}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What kv_connector_extra_config may hold (all optional).
+
+    mode: "push" (default) or "pull".
+    host: address peers reach this instance's side channel on (default 127.0.0.1;
+        use the host's routable address across machines).
+    port: side-channel port of TP rank 0; rank r listens on port + r (0: any free).
+    identity_port: where this instance serves GET /query, its kvpush identity for
+        routers (0: not served).
+    secret: shared secret for message authentication (default $KVPUSH_SECRET).
+    layerwise: push each layer's KV as soon as it is computed (default true).
+    nixl_backends: NIXL backends to use (default: the device backend's choice).
+    ucx_error_handling: "none" (default, fastest here) or "peer".
+    device_options: passed to the device backend (e.g. {"staging": "host"}).
+    Protocol timers (seconds): lease_s, registration_ttl_s, watchdog_s, heartbeat_s,
+        write_grace_s, landing_s, max_wait_s, tombstone_s.
+    """
+
+    mode: str = "push"
+    host: str = "127.0.0.1"
+    port: int = 0
+    identity_port: int = 0
+    secret: str | None = None
+    layerwise: bool = True
+    nixl_backends: tuple[str, ...] = ()
+    ucx_error_handling: str = "none"
+    device_options: dict[str, Any] = field(default_factory=dict)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+
+    @property
+    def agent(self) -> AgentConfig:
+        backends = self.nixl_backends or AgentConfig().backends
+        return AgentConfig(backends=backends, ucx_error_handling=self.ucx_error_handling)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        plain = {f.name for f in dataclasses.fields(cls)} - {"protocol"}
+        unknown = sorted(set(extra) - plain - _PROTOCOL_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for KVPushConnector; "
+                f"known: {sorted(plain | _PROTOCOL_KEYS)}"
+            )
+        timers = {k: extra.pop(k) for k in list(extra) if k in _PROTOCOL_KEYS}
+        values = {k: _checked(k, v) for k, v in extra.items()}
+        mode = values.get("mode", "push")
+        protocol = ProtocolConfig.from_mapping({"mode": mode, **timers})
+        return cls(**values, protocol=protocol)
+
+
+def _checked(key: str, value: Any) -> Any:
+    """One value, type-checked, in the form the dataclass holds."""
+    expected = {
+        "mode": str,
+        "host": str,
+        "port": int,
+        "identity_port": int,
+        "secret": str,
+        "layerwise": bool,
+        "ucx_error_handling": str,
+    }
+    if key in expected:
+        kind = expected[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ConfigError(f"{key} must be a {kind.__name__}, got {value!r}")
+    if key == "mode" and value not in ("push", "pull"):
+        raise ConfigError(f"mode must be 'push' or 'pull', got {value!r}")
+    if key in ("port", "identity_port") and not 0 <= value < 65536:
+        raise ConfigError(f"{key} must be a TCP port (0-65535), got {value}")
+    if key == "ucx_error_handling" and value not in ("none", "peer"):
+        raise ConfigError(f"ucx_error_handling must be 'none' or 'peer', got {value!r}")
+    if key == "nixl_backends":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"nixl_backends must be a list of names, got {value!r}")
+        return tuple(value)
+    if key == "device_options" and not isinstance(value, dict):
+        raise ConfigError(f"device_options must be an object, got {value!r}")
+    return value

@@ -1,0 +1,178 @@
+"""KVPushConnector: vLLM's KVConnectorBase_V1 over the kvpush protocol.
+
+vLLM builds it twice: role SCHEDULER in the engine-core process (SchedulerSide) and
+role WORKER in every worker process (WorkerSide). This class only routes vLLM's
+calls to the half that exists here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata
+from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
+from kvpush.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_log_handler_installed = False
+
+
+def _show_kvpush_logs() -> None:
+    """vLLM configures only its own logger; let kvpush's INFO lines reach the server log."""
+    global _log_handler_installed
+    kvpush_log = logging.getLogger("kvpush")
+    if _log_handler_installed or kvpush_log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvpush] %(message)s"))
+    kvpush_log.addHandler(handler)
+    kvpush_log.setLevel(logging.INFO)
+    kvpush_log.propagate = False
+    _log_handler_installed = True
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _show_kvpush_logs()
+        transfer = vllm_config.kv_transfer_config
+        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        engine_id = str(transfer.engine_id)
+        world = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
+            self._scheduler = SchedulerSide(config, engine_id, block_size, world)
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_world_group,
+            )
+            from vllm.platforms import current_platform
+
+            self._worker = WorkerSide(
+                config,
+                engine_id,
+                transfer.kv_role,
+                rank=get_tensor_model_parallel_rank(),
+                world=world,
+                device_type=current_platform.device_type,
+                local_rank=get_world_group().local_rank,
+            )
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        ranks = {rank: m for rank, m in metadata.items() if isinstance(m, KVPushHandshake)}
+        self._sched().set_handshakes(ranks)
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KVPushMetadata):
+            self._work().bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Claims were made in bind_connector_metadata; the bytes arrive asynchronously.
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # A request is scheduled only after its KV arrived whole: nothing to wait for.
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._work().save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._work().end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._work().results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work().results(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_handshake_metadata(self) -> KVPushHandshake | None:
+        return self._work().handshake()
+
+    def get_kv_connector_stats(self) -> KVPushStats | None:
+        return self._worker.stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # -- class-level hooks ---------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats:
+        return KVPushStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPushPromMetrics:
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-by-layer push runs Python after each layer, which a full CUDA graph skips.
+        return ConnectorConfig.from_extra(extra_config).layerwise
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side KVPushConnector call on a worker instance")
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side KVPushConnector call on a scheduler instance")
+        return self._worker

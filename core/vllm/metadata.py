@@ -1,0 +1,62 @@
+"""What the scheduler half tells the worker halves each step, and what workers report.
+
+Plain records: they are pickled into every worker process every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Decode: blocks allocated for `transfer_id`; claim the producer's KV for them."""
+
+    request_id: str
+    transfer_id: str
+    producers: tuple[str, ...]  # side-channel address of each producer TP rank
+    block_ids: tuple[int, ...]
+    skip_blocks: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Decode: a request for `transfer_id` is queued; keep the producer's KV alive."""
+
+    transfer_id: str
+    producers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Produce:
+    """Prefill: the KV of `transfer_id` will be complete at the end of this step."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class KVPushMetadata(KVConnectorMetadata):
+    expects: list[Expect] = field(default_factory=list)
+    announces: list[Announce] = field(default_factory=list)
+    produces: list[Produce] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)  # prefill transfer ids admitted
+    aborts: list[str] = field(default_factory=list)  # transfer ids given up (either role)
+    rejects: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
+
+
+@dataclass(frozen=True)
+class KVPushHandshake(KVConnectorHandshakeMetadata):
+    """One worker rank's kvpush identity, gathered by the engine for the scheduler."""
+
+    rank: int
+    world: int
+    address: str  # host:port of the rank's side channel, "" for pure consumers
+    epoch: str
+    agent: str

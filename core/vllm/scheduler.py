@@ -1,0 +1,282 @@
+"""The scheduler half of KVPushConnector: which requests send or receive, and when.
+
+It runs in vLLM's engine-core process. It never moves bytes: each step it tells the
+workers, through KVPushMetadata, which transfers to claim (decode), which KV will
+be complete at the end of the step (prefill), and which to abandon. It also serves
+this instance's kvpush identity to routers.
+
+kv_transfer_params, the two-leg contract (docs/routing.md):
+  prefill leg   {"do_remote_decode": true, "transfer_id": T}
+  decode leg    {"do_remote_prefill": true, "transfer_id": T, "transfer_mode": M,
+                 "remote_engine_id": E, "remote_epoch": X, "remote_addresses": [...]}
+and the prefill response echoes the producer's identity in the decode-leg shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.errors import ProtocolError
+from kvpush.protocol.messages import check_transfer_id
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.identity import IdentityServer
+from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
+
+log = logging.getLogger(__name__)
+
+# Finished statuses after which a prefill's KV is complete and worth sending.
+_SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+@dataclass
+class _Producing:
+    transfer_id: str
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    signalled: bool = False  # a step computing its last prompt token was scheduled
+
+
+class SchedulerSide:
+    """Scheduler-process bookkeeping for one vLLM instance."""
+
+    def __init__(
+        self, config: ConnectorConfig, engine_id: str, block_size: int, world: int
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.world = world
+        self.epoch = os.urandom(4).hex()
+        self._producing: dict[str, _Producing] = {}
+        self._sending: set[str] = set()  # delay-freed prefill requests
+        self._consuming: dict[str, str] = {}  # decode request id -> transfer id
+        self._local_hits: dict[str, int] = {}
+        self._announced: set[str] = set()
+        self._rejected: dict[str, str] = {}
+        self._next = KVPushMetadata()
+        self._ranks: dict[int, KVPushHandshake] = {}
+        self.identity_server: IdentityServer | None = None
+
+    # -- identity -------------------------------------------------------------------
+
+    def set_handshakes(self, handshakes: dict[int, KVPushHandshake]) -> None:
+        self._ranks = dict(handshakes)
+        if self.config.identity_port and self.identity_server is None:
+            self.identity_server = IdentityServer(
+                self.config.host, self.config.identity_port, self.identity, self.state
+            )
+
+    def identity(self) -> dict[str, Any]:
+        """This instance as routers see it: GET /query, and the prefill response echo."""
+        return {
+            "engine_id": self.engine_id,
+            "epoch": self.epoch,
+            "transfer_mode": self.config.protocol.mode,
+            "tp_size": self.world,
+            "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
+            "ranks": [
+                {"rank": r, "address": h.address, "epoch": h.epoch, "agent": h.agent}
+                for r, h in sorted(self._ranks.items())
+            ],
+            "kvpush": True,
+        }
+
+    def state(self) -> dict[str, Any]:
+        """Counts a leak check reads after a run: all zero when nothing is in flight."""
+        return {
+            "sending": len(self._sending),
+            "producing": len(self._producing),
+            "receiving": len(self._consuming),
+        }
+
+    def close(self) -> None:
+        if self.identity_server is not None:
+            self.identity_server.close()
+
+    # -- vLLM scheduler hooks -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self._admit_prefill(request, params)
+            return 0, False
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        problem = _decode_leg_problem(params, self.config.protocol.mode, self.world)
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if problem is not None:
+            self._rejected[request.request_id] = problem
+            log.error("kvpush: request %s cannot load its KV: %s", request.request_id, problem)
+            return max(count, 1), True  # reported failed at once, per kv_load_failure_policy
+        tid = params["transfer_id"]
+        if count <= 0:
+            # Everything is cached here already: let prefill free its copy now.
+            self._decline(params)
+            params["do_remote_prefill"] = False
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        if tid not in self._announced:
+            self._announced.add(tid)
+            self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not (params.get("do_remote_prefill") and num_external_tokens > 0):
+            return
+        # One transfer per request: a retry under "recompute" computes locally.
+        params["do_remote_prefill"] = False
+        request_id = request.request_id
+        if request_id in self._rejected:
+            self._next.rejects.append((request_id, self._rejected.pop(request_id)))
+            return
+        local = self._local_hits.pop(request_id, 0)
+        first = local // self.block_size
+        last = -(-(local + num_external_tokens) // self.block_size)
+        block_ids = blocks.get_block_ids()[0][first:last]
+        tid = params["transfer_id"]
+        self._announced.discard(tid)
+        self._consuming[request_id] = tid
+        producers = tuple(params["remote_addresses"])
+        self._next.expects.append(Expect(request_id, tid, producers, tuple(block_ids), first))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
+        self._track_prefill_blocks(scheduler_output)
+        for request_id, producing in self._producing.items():
+            if producing.signalled or request_id not in scheduler_output.num_scheduled_tokens:
+                continue
+            if self._completes_prefill(scheduler_output, request_id):
+                producing.signalled = True
+                self._next.produces.append(
+                    Produce(request_id, producing.transfer_id, tuple(producing.block_ids))
+                )
+        meta, self._next = self._next, KVPushMetadata()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        request_id = request.request_id
+        producing = self._producing.pop(request_id, None)
+        if producing is not None:
+            return self._prefill_finished(request, producing, block_ids)
+        tid = self._consuming.pop(request_id, None)
+        if tid is not None:
+            # Finished before its KV arrived (aborted): the worker settles the transfer
+            # and reports it, and vLLM keeps the blocks until then.
+            self._next.aborts.append(tid)
+        self._local_hits.pop(request_id, None)
+        self._rejected.pop(request_id, None)
+        return False, None
+
+    def update_connector_output(self, output: Any) -> None:
+        for request_id in output.finished_sending or ():
+            self._sending.discard(request_id)
+        for request_id in output.finished_recving or ():
+            self._consuming.pop(request_id, None)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _admit_prefill(self, request: Any, params: dict[str, Any]) -> None:
+        if request.request_id in self._producing:
+            return
+        try:
+            tid = params.get("transfer_id")
+            check_transfer_id(tid if isinstance(tid, str) else "")
+        except ProtocolError:
+            log.error(
+                "kvpush: prefill request %s has no valid transfer_id in kv_transfer_params; "
+                "its KV will not be sent",
+                request.request_id,
+            )
+            return
+        self._producing[request.request_id] = _Producing(tid, len(request.prompt_token_ids or ()))
+        self._next.pending.append(tid)
+
+    def _prefill_finished(
+        self, request: Any, producing: _Producing, block_ids: list[int]
+    ) -> tuple[bool, dict | None]:
+        if not producing.signalled:
+            # Its last prompt token never ran: no WRITE can read these blocks.
+            self._next.aborts.append(producing.transfer_id)
+            return False, None
+        if _status(request) not in _SENDABLE:
+            # A WRITE may be reading the blocks: free them only when the producer says so.
+            self._next.aborts.append(producing.transfer_id)
+        self._sending.add(request.request_id)
+        echo = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": producing.transfer_id,
+            "transfer_mode": self.config.protocol.mode,
+            "remote_engine_id": self.engine_id,
+            "remote_epoch": self.epoch,
+            "remote_addresses": [self._ranks[r].address for r in sorted(self._ranks)],
+            "tp_size": self.world,
+        }
+        return True, echo
+
+    def _decline(self, params: dict[str, Any]) -> None:
+        tid = params["transfer_id"]
+        self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+        self._next.aborts.append(tid)
+
+    def _track_prefill_blocks(self, out: Any) -> None:
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._producing:
+                self._producing[new.req_id].block_ids = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            producing = self._producing.get(request_id)
+            new_blocks = cached.new_block_ids[i]
+            if producing is None or new_blocks is None:
+                continue
+            if request_id in cached.resumed_req_ids:
+                producing.block_ids = list(new_blocks[0])
+            else:
+                producing.block_ids.extend(new_blocks[0])
+
+    def _completes_prefill(self, out: Any, request_id: str) -> bool:
+        """Whether this step computes the request's last prompt token."""
+        scheduled = out.num_scheduled_tokens[request_id]
+        for new in out.scheduled_new_reqs:
+            if new.req_id == request_id:
+                return new.num_computed_tokens + scheduled >= len(new.prompt_token_ids or ())
+        cached = out.scheduled_cached_reqs
+        index = cached.req_ids.index(request_id)
+        prompt_len = self._producing[request_id].prompt_len
+        return cached.num_computed_tokens[index] + scheduled >= prompt_len
+
+
+def _status(request: Any) -> str:
+    return getattr(request.status, "name", str(request.status))
+
+
+def _decode_leg_problem(params: dict[str, Any], mode: str, world: int) -> str | None:
+    """Why a decode leg's kv_transfer_params cannot be served by kvpush, or None."""
+    missing = [k for k in ("transfer_id", "remote_addresses") if k not in params]
+    if missing:
+        return (
+            f"kv_transfer_params lack {missing} (keys: {sorted(params)}): the prefill "
+            "instance is not running KVPushConnector (an upstream NixlConnector, say), and "
+            "a KVPushConnector decode instance cannot pair with it"
+        )
+    try:
+        check_transfer_id(params["transfer_id"] if isinstance(params["transfer_id"], str) else "")
+    except ProtocolError as exc:
+        return str(exc)
+    theirs = params.get("transfer_mode", "push")
+    if theirs != mode:
+        return (
+            f"transfer mode mismatch: the prefill instance is in {theirs} mode, this one in {mode}"
+        )
+    addresses = params["remote_addresses"]
+    if not isinstance(addresses, list) or len(addresses) != world or not all(addresses):
+        return (
+            f"remote_addresses must list one side-channel address per tensor-parallel rank "
+            f"({world} here), got {addresses!r}"
+        )
+    return None

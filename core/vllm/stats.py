@@ -1,0 +1,97 @@
+"""kvpush numbers in vLLM's connector stats and Prometheus metrics.
+
+Each worker reports what happened since its last report; vLLM sums the workers'
+reports (aggregate), logs a summary (reduce) and feeds Prometheus (observe).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+COUNTS = ("delivered", "failed", "released", "bytes")
+SAMPLES = ("done_to_ready_s",)
+
+
+@dataclass
+class KVPushStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for key in COUNTS:
+            self.data.setdefault(key, 0)
+        for key in SAMPLES:
+            self.data.setdefault(key, [])
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> KVPushStats:
+        for key in COUNTS:
+            self.data[key] += other.data.get(key, 0)
+        for key in SAMPLES:
+            self.data[key] = self.data[key] + list(other.data.get(key, []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        summary: dict[str, int | float] = {key: self.data[key] for key in COUNTS}
+        samples = self.data["done_to_ready_s"]
+        if samples:
+            summary["done_to_ready_p50_ms"] = round(1e3 * statistics.median(samples), 3)
+        return summary
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in COUNTS) and not self.data["done_to_ready_s"]
+
+
+class KVPushPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvpush_{key}_total",
+                    documentation=_DOCS[key],
+                    labelnames=labelnames,
+                ),
+                per_engine_labelvalues,
+            )
+            for key in COUNTS
+        }
+        self.done_to_ready = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvpush_done_to_ready_seconds",
+                documentation="Prefill KV ready to decode KV usable, per transfer",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5],
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key in COUNTS:
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                self.counters[key][engine_idx].inc(value)
+        for sample in transfer_stats_data.get("done_to_ready_s", []):
+            self.done_to_ready[engine_idx].observe(sample)
+
+
+_DOCS = {
+    "delivered": "kvpush transfers whose KV arrived (decode)",
+    "failed": "kvpush transfers that ended without KV (decode)",
+    "released": "kvpush transfers whose source blocks were freed (prefill)",
+    "bytes": "Bytes kvpush moved with NIXL",
+}

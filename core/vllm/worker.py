@@ -1,0 +1,205 @@
+"""The worker half of KVPushConnector: one kvpush Node per worker rank.
+
+It runs in each vLLM worker process. It describes the engine's KV cache through the
+device backends (whatever device the engine runs on), starts the Node, and each
+step turns the scheduler's metadata into Node calls: claims and aborts at once,
+each layer's KV as the forward pass writes it, the rest when the step ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvpush.errors import KVPushError
+from kvpush.plugins import Backends, get_backends
+from kvpush.protocol.auth import load_secret
+from kvpush.runtime.node import Node, NodeConfig
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, Produce
+from kvpush.vllm.stats import KVPushStats
+
+log = logging.getLogger(__name__)
+
+# vLLM (>= 0.32) hands every attention layer's cache with the logical shape
+# [num_blocks, kv_heads, block_size, K and V packed]; strides say how it really lies.
+VLLM_KV_DIMS = ("blocks", "heads", "tokens", "kvdim")
+ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        kv_role: str,
+        rank: int,
+        world: int,
+        device_type: str,
+        local_rank: int,
+        backends: Backends | None = None,
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.role = ROLES[kv_role]
+        self.rank, self.world = rank, world
+        self.device_type = device_type
+        self.backends = backends or get_backends()
+        # Before the engine allocates anything: some runtimes read their environment once.
+        self.backends.prepare_process(device_type, local_rank, config.device_options)
+        self.node: Node | None = None
+        self._layer_index: dict[str, int] = {}
+        self._produces: list[Produce] = []
+        self._sender_of: dict[str, str] = {}  # transfer id -> prefill request id
+        self._receiver_of: dict[str, str] = {}  # transfer id -> decode request id
+        self._released: set[str] = set()
+        self._finished: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._stats = KVPushStats()
+        self._samples_seen = 0
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.backends.init_runtime(self.device_type)
+        kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
+        port = self.config.port + self.rank if self.config.port else 0
+        node_config = NodeConfig(
+            engine_id=self.engine_id,
+            role=self.role,
+            rank=self.rank,
+            world=self.world,
+            host=self.config.host,
+            port=port,
+            protocol=self.config.protocol,
+            agent=self.config.agent,
+            secret=load_secret(self.config.secret),
+        )
+        self.node = Node(node_config, kv, self.backends).start()
+        self._layer_index = {name: i for i, name in enumerate(kv.layout.layer_names)}
+        where = self.node.address if self.role != "consumer" else "(dials out)"
+        log.info(
+            "kvpush: rank %d %s on %s (%s path), %d layers x %d blocks, side channel %s",
+            self.rank, self.role, kv.device, kv.path, len(kv.layout.layers),
+            kv.layout.num_blocks, where,
+        )  # fmt: skip
+
+    def handshake(self) -> KVPushHandshake | None:
+        if self.node is None:
+            return None
+        address = self.node.address if self.role != "consumer" else ""
+        agent = self.node.agent.name if self.node.agent else ""
+        return KVPushHandshake(self.rank, self.world, address, self.node.config.epoch, agent)
+
+    # -- per step ---------------------------------------------------------------------
+
+    def bind(self, meta: KVPushMetadata) -> None:
+        """The step's metadata arrived (before the forward pass): act on it now."""
+        node = self._node()
+        for tid in meta.pending:
+            node.kv_pending(tid)
+        for announce in meta.announces:
+            node.announce(announce.transfer_id, announce.producers[self.rank])
+        for expect in meta.expects:
+            self._receiver_of[expect.transfer_id] = expect.request_id
+            node.expect(
+                expect.transfer_id,
+                expect.producers[self.rank],
+                expect.block_ids,
+                expect.skip_blocks,
+            )
+        for tid in meta.aborts:
+            node.abort(tid)
+        for request_id, why in meta.rejects:
+            log.error("kvpush: failing the KV load of %s: %s", request_id, why)
+            self._recv_done.add(request_id)
+            self._recv_failed.add(request_id)
+        self._produces = list(meta.produces)
+        for produce in self._produces:
+            self._sender_of[produce.transfer_id] = produce.request_id
+
+    def save_layer(self, layer_name: str) -> None:
+        """One layer of this step's KV is written: push it to whoever registered."""
+        if not (self._produces and self.config.layerwise):
+            return
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        node = self._node()
+        fence = self.backends.fence(node.kv, layer_name)
+        for produce in self._produces:
+            node.kv_ready(produce.transfer_id, produce.block_ids, fence, layers=index + 1)
+
+    def end_step(self) -> None:
+        """The forward pass is over: every layer of this step's KV exists."""
+        if not self._produces:
+            return
+        node = self._node()
+        fence = self.backends.fence(node.kv, None)
+        now = time.time()
+        for produce in self._produces:
+            node.kv_ready(produce.transfer_id, produce.block_ids, fence, ready_wall=now)
+        self._produces = []
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) request ids."""
+        self._finished |= finished_req_ids
+        if self.node is not None:
+            for outcome in self.node.take_results():
+                self._account(outcome)
+        # A prefill request's blocks go back only once vLLM has finished it, too.
+        sending = self._released & self._finished
+        self._released -= sending
+        self._finished -= sending
+        recving, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return sending, recving, failed
+
+    def _account(self, outcome: Any) -> None:
+        tid = outcome.transfer_id
+        if outcome.kind == "released":
+            request_id = self._sender_of.pop(tid, None)
+            if request_id is not None:
+                self._released.add(request_id)
+                self._stats.data["released"] += 1
+            return
+        request_id = self._receiver_of.pop(tid, None)
+        if request_id is None:
+            log.warning("kvpush: outcome for unknown transfer %s: %s", tid, outcome)
+            return
+        self._recv_done.add(request_id)
+        if outcome.kind == "delivered":
+            self._stats.data["delivered"] += 1
+            self._stats.data["bytes"] += outcome.nbytes
+        else:
+            log.warning(
+                "kvpush: transfer %s for %s failed (%s) %s",
+                tid, request_id, outcome.reason, outcome.detail,
+            )  # fmt: skip
+            self._recv_failed.add(request_id)
+            self._stats.data["failed"] += 1
+
+    def stats(self) -> KVPushStats | None:
+        if self.node is not None:
+            samples = self.node.metrics.histogram("done_to_ready_seconds").samples
+            self._stats.data["done_to_ready_s"] += samples[self._samples_seen :]
+            self._samples_seen = len(samples)
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVPushStats()
+        return stats
+
+    def shutdown(self) -> None:
+        if self.node is not None:
+            try:
+                self.node.close()
+            except KVPushError as exc:
+                log.warning("kvpush: closing the node: %s", exc)
+            self.node = None
+
+    def _node(self) -> Node:
+        if self.node is None:
+            raise KVPushError("register_kv_caches has not run yet: no kvpush node")
+        return self.node
