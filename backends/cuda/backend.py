@@ -24,7 +24,6 @@ from kvpush.errors import BackendError, ConfigError
 from kvpush.hookspecs import hookimpl
 from kvpush.host_backend import torch_view
 from kvpush.layout import layout_from_views
-
 from kvpush_cuda.runtime import get_runtime
 from kvpush_cuda.staging import HostStaging
 

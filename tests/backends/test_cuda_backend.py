@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+
 from kvpush.errors import BackendError, ConfigError
 from kvpush.plugins import Backends
 
@@ -49,7 +50,12 @@ def test_a_permuted_cache_is_described_as_it_lies(fake, backends):
     base = fake.zeros((NB, 2, H, T, D), device=0)
     kv = backends.describe({"l0": base.permute(1, 0, 2, 3, 4)}, ("kv", "blocks", *GPU_DIMS[2:]))
     (run,) = kv.layout.layers[0]
-    assert (run.base, run.stride, run.block_bytes, run.part) == (base.data_ptr(), BLOCK, BLOCK, "KV")
+    assert (run.base, run.stride, run.block_bytes, run.part) == (
+        base.data_ptr(),
+        BLOCK,
+        BLOCK,
+        "KV",
+    )
 
 
 def test_layers_sharing_one_allocation_register_it_once(fake, backends):
@@ -84,7 +90,7 @@ def test_tensors_on_two_gpus_or_half_on_host_are_refused(fake, backends):
         backends.describe({"a": fake.zeros((NB, 2), device=0), "b": fake.zeros((NB, 2), device=1)},
                           ("blocks", "kv"))  # fmt: skip
     # Whichever backend looks first refuses the mix.
-    with pytest.raises(BackendError, match="are not (in host memory|on a CUDA device)"):
+    with pytest.raises(BackendError, match=r"are not (in host memory|on a CUDA device)"):
         backends.describe({"a": fake.zeros((NB, 2)), "b": torch.zeros(NB, 2)}, ("blocks", "kv"))
     # Plain host tensors are not the CUDA backend's: the host backend takes them.
     assert backends.describe({"a": torch.zeros(NB, 2)}, ("blocks", "kv")).backend == "host"
