@@ -34,7 +34,6 @@ from kvpush.errors import BackendError, ConfigError
 from kvpush.hookspecs import hookimpl
 from kvpush.host_backend import torch_view
 from kvpush.layout import TensorView, layout_from_views
-
 from kvpush_neuron import environment
 from kvpush_neuron.runtime import get_runtime
 from kvpush_neuron.staging import HostStaging
@@ -246,4 +245,3 @@ def kvpush_stage_blocks(kv: DeviceKV, block_ids: Sequence[int], direction: str) 
 def kvpush_release(kv: DeviceKV) -> None:
     if kv.state.staging is not None:
         kv.state.staging.release()
-

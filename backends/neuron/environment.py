@@ -30,7 +30,9 @@ def parse_cores(spec: str) -> list[int]:
             first, _, last = part.strip().partition("-")
             cores.extend(range(int(first), int(last or first) + 1))
     except ValueError:
-        raise ConfigError(f"{VISIBLE_CORES}={spec!r} is not a core list like 0, 0-3 or 0,2") from None
+        raise ConfigError(
+            f"{VISIBLE_CORES}={spec!r} is not a core list like 0, 0-3 or 0,2"
+        ) from None
     if not cores:
         raise ConfigError(f"{VISIBLE_CORES}={spec!r} names no core")
     return cores

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from kvpush.host_backend import torch_view
 from kvpush.layout import KVLayout, layout_from_views
-
 from kvpush_neuron.runtime import NeuronRuntime
 
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+
 from kvpush.errors import BackendError, ConfigError, RegionError
 from kvpush.layout import BlockTable, pairing_split
 from kvpush.plugins import Backends
@@ -87,7 +88,7 @@ def test_one_visible_core_per_process(fake_neuron, backends, monkeypatch, tmp_pa
     # Without NEURON_RT_VISIBLE_CORES the first runtime claims every core of the host...
     greedy = fake_neuron(lock_dir=tmp_path)
     greedy.start()
-    with pytest.raises(RuntimeError, match="NeuronCore 0 is in use.*NEURON_RT_VISIBLE_CORES"):
+    with pytest.raises(RuntimeError, match=r"NeuronCore 0 is in use.*NEURON_RT_VISIBLE_CORES"):
         fake_neuron(lock_dir=tmp_path).start()
     greedy.close()
     # ... with prepare_process each rank takes its own.
@@ -126,7 +127,7 @@ def test_mapped_hbm_is_registered_directly_as_vram_in_neuron_layout(fake_neuron,
 
 
 def test_generic_dims_that_do_not_fit_are_read_as_neuron_layout(fake_neuron, backends):
-    fake, tensors, _ = _direct(fake_neuron, backends)
+    _, tensors, _ = _direct(fake_neuron, backends)
     kv = backends.describe(tensors, ("blocks", "heads", "tokens", "kvdim"))
     assert [r.part for r in kv.layout.layers[0]] == ["K", "V"]
 
@@ -175,7 +176,7 @@ def test_an_agent_before_the_runtime_is_refused_not_degraded(fake_neuron, backen
     region = kv.layout.regions[0]
     # What NIXL would do now: file HBM as system memory, and say nothing.
     assert fake.nixl_register("LIBFABRIC", "VRAM", region.addr, region.length) == "FI_HMEM_SYSTEM"
-    with pytest.raises(BackendError, match="runtime is not started.*without any error"):
+    with pytest.raises(BackendError, match=r"runtime is not started.*without any error"):
         backends.nixl_backends(kv, ["LIBFABRIC"])
     backends.init_runtime("neuron")
     assert backends.nixl_backends(kv, ["LIBFABRIC"]) == ["LIBFABRIC"]
@@ -185,7 +186,7 @@ def test_an_agent_before_the_runtime_is_refused_not_degraded(fake_neuron, backen
 def test_ucx_is_refused_for_neuron_hbm_and_libfabric_chosen(fake_neuron, backends):
     fake, _, kv = _direct(fake_neuron, backends)
     assert backends.nixl_backends(kv) == ["LIBFABRIC"]
-    with pytest.raises(BackendError, match="UCX does not know Neuron memory.*LIBFABRIC"):
+    with pytest.raises(BackendError, match=r"UCX does not know Neuron memory.*LIBFABRIC"):
         backends.nixl_backends(kv, ["UCX"])
     assert backends.nixl_backends(kv, ["UCX", "LIBFABRIC"]) == ["LIBFABRIC"]
     # Whatever it picks, NIXL files the HBM as HBM.
@@ -225,9 +226,7 @@ def test_device_writes_land_only_at_the_fence_and_one_sync_serves_many(fake_neur
 # -- staging ---------------------------------------------------------------------------------
 
 
-def test_staged_copies_move_only_the_given_blocks_and_never_pin(
-    fake_neuron, backends, monkeypatch
-):
+def test_staged_copies_move_only_the_given_blocks_and_never_pin(fake_neuron, backends, monkeypatch):
     def no_pinning(*args, **kwargs):
         raise RuntimeError("pin_memory crashes the Neuron runtime")
 
