@@ -58,6 +58,7 @@ class FakeDeviceCache:
 
     def __init__(self, kind: str, layers: int, blocks: int, lock_dir: str = "") -> None:
         import torch
+
         from kvpush.plugins import Backends
 
         if kind not in KINDS:

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+
 from kvpush.errors import BackendError
 
 ROOT = Path(__file__).parents[2]
@@ -68,7 +69,7 @@ def test_the_real_neuron_runtime_says_where_to_get_torch_neuronx():
     assert runtime.started() is False and runtime.too_late() is None  # no /dev/neuron open
     if "torch_neuronx" in sys.modules:
         pytest.skip("torch-neuronx is installed here")
-    with pytest.raises(BackendError, match="AWS Neuron package repository.*placeholders"):
+    with pytest.raises(BackendError, match=r"AWS Neuron package repository.*placeholders"):
         runtime.start()
 
 
@@ -124,7 +125,9 @@ def test_core_names_no_device_outside_the_hook_contract():
         if path.name == "hookspecs.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
-        offenders += [f"{path.relative_to(ROOT)}:{line}: {name!r}" for line, name in _mentions(tree)]
+        offenders += [
+            f"{path.relative_to(ROOT)}:{line}: {name!r}" for line, name in _mentions(tree)
+        ]
     assert not offenders, "device names in the core:\n" + "\n".join(offenders)
 
 

@@ -38,6 +38,7 @@ def compute_layers(backends: Any, kv: Any, tensors: dict[str, torch.Tensor], see
 
 def producer(queue: Any, done: Any, staged: bool, seed: int) -> None:
     import msgspec
+
     from kvpush.plugins import Backends
 
     torch.cuda.set_device(0)
@@ -53,7 +54,9 @@ def producer(queue: Any, done: Any, staged: bool, seed: int) -> None:
     message: dict[str, Any] = {"layout": msgspec.msgpack.encode(kv.layout)}
     if staged:
         backends.stage(kv, SRC, "to_host")
-        message["regions"] = [(r.addr, ctypes.string_at(r.addr, r.length)) for r in kv.layout.regions]
+        message["regions"] = [
+            (r.addr, ctypes.string_at(r.addr, r.length)) for r in kv.layout.regions
+        ]
     else:
         # CUDA IPC: the consumer maps these allocations; the layout's addresses are ours.
         message["tensors"] = tensors

@@ -18,15 +18,17 @@ from gpu_peer import BLOCK_MAJOR, BLOCKS, DIM, DST, HEADS, LAYERS, SRC, TOKENS  
 
 @pytest.fixture
 def backends():
-    from kvpush_cuda import runtime
     from kvpush.plugins import Backends
+    from kvpush_cuda import runtime
 
     runtime.set_runtime(None)  # the real torch.cuda, whatever another test installed
     return Backends(["host", "cuda"])
 
 
 def _cache(dims, device=0):
-    shape = (BLOCKS, 2, HEADS, TOKENS, DIM) if dims == BLOCK_MAJOR else (2, BLOCKS, HEADS, TOKENS, DIM)
+    shape = (
+        (BLOCKS, 2, HEADS, TOKENS, DIM) if dims == BLOCK_MAJOR else (2, BLOCKS, HEADS, TOKENS, DIM)
+    )
     return {
         f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16, device=f"cuda:{device}")
         for i in range(LAYERS)
@@ -46,7 +48,9 @@ def test_regions_are_the_live_gpu_memory(backends):
         (t.data_ptr(), t.numel() * 2, device, "VRAM") for t in tensors.values()
     )
     block = 2 * HEADS * TOKENS * DIM * 2
-    assert [(r.stride, r.block_bytes, r.part) for r in kv.layout.layers[0]] == [(block, block, "KV")]
+    assert [(r.stride, r.block_bytes, r.part) for r in kv.layout.layers[0]] == [
+        (block, block, "KV")
+    ]
 
 
 def test_the_fence_is_an_event_after_the_writes(backends):
@@ -108,6 +112,7 @@ def _window(spans, addr: int, nbytes: int):
 @pytest.mark.parametrize("staged", [False, True], ids=["cuda-ipc", "host-staged"])
 def test_two_processes_on_one_gpu_move_kv_across_layouts(backends, staged):
     import msgspec
+
     from kvpush.layout import BlockTable, KVLayout, pairing_split
 
     context = torch.multiprocessing.get_context("spawn")

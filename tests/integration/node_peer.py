@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
 
 import kv_devices
 import kvpush_example_backend as example
+
 from kvpush.plugins import Backends
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.runtime.node import Node, NodeConfig
