@@ -108,3 +108,4 @@ class HostStaging:
             self.runtime.unpin(self.pinned.pop())
         self._pairs.clear()
         self.host.clear()
+        self._memory.clear()

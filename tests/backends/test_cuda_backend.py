@@ -34,10 +34,12 @@ def test_kv_on_a_gpu_becomes_vram_regions_with_the_live_strides(fake, backends):
     tensors = _layers(fake)
     kv = backends.describe(tensors, GPU_DIMS)
     assert (kv.backend, kv.device, kv.path) == ("cuda", "cuda:1", "direct")
-    regions = sorted(kv.layout.regions, key=lambda r: r.addr)
-    assert [(r.addr, r.length, r.device_id, r.mem_type) for r in regions] == sorted(
-        (t.data_ptr(), NB * BLOCK, 1, "VRAM") for t in tensors.values()
-    )
+    regions = kv.layout.regions
+    assert {(r.device_id, r.mem_type) for r in regions} == {(1, "VRAM")}
+    # Each tensor's bytes registered once (neighbouring allocations may merge into one region).
+    assert sum(r.length for r in regions) == len(tensors) * NB * BLOCK
+    for tensor in tensors.values():
+        assert any(r.contains(tensor.data_ptr(), NB * BLOCK) for r in regions)
     for tensor, runs in zip(tensors.values(), kv.layout.layers, strict=True):
         assert [(r.base, r.stride, r.block_bytes, r.part) for r in runs] == [
             (tensor.data_ptr(), BLOCK, BLOCK, "KV")
