@@ -36,6 +36,15 @@ class PostWrite:
 
 
 @dataclass(frozen=True)
+class ExposeBlocks:
+    """Producer (pull): make these blocks' KV readable by NIXL (fence, stage) now,
+    before the consumer is told it may READ them."""
+
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
 class PostRead:
     """Consumer (pull): READ the peer's remote_blocks into local_blocks."""
 
@@ -81,5 +90,13 @@ class Counted:
 
 
 Action = (
-    Send | Connect | PostWrite | PostRead | Delivered | TransferFailed | ReleaseBlocks | Counted
+    Send
+    | Connect
+    | PostWrite
+    | ExposeBlocks
+    | PostRead
+    | Delivered
+    | TransferFailed
+    | ReleaseBlocks
+    | Counted
 )

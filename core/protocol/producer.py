@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush.protocol.actions import Action, Counted, PostWrite, ReleaseBlocks, Send
+from kvpush.protocol.actions import (
+    Action,
+    Counted,
+    ExposeBlocks,
+    PostWrite,
+    ReleaseBlocks,
+    Send,
+)
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.messages import (
     Cancel,
@@ -305,7 +312,8 @@ class Producer:
         self._deadlines.cancel(("reg", transfer.transfer_id))
         self._deadlines.set(("lease", transfer.transfer_id), now + self.config.lease_s)
         blocks = transfer.kv_blocks[: transfer.pull_blocks]
-        return [Send(transfer.peer, Grant(transfer.transfer_id, [blocks], self.config.lease_s))]
+        grant = Grant(transfer.transfer_id, [blocks], self.config.lease_s)
+        return [ExposeBlocks(transfer.transfer_id, blocks), Send(transfer.peer, grant)]
 
     def _on_release(self, peer: str, message: Release, now: float) -> list[Action]:
         transfer = self._transfers.get(message.transfer_id)

@@ -55,6 +55,7 @@ class NodeConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     secret: bytes = b""
+    nixl_backends: tuple[str, ...] = ()  # empty: the device backend's choice
     connect_timeout_s: float = 5.0
     epoch: str = field(default_factory=lambda: os.urandom(4).hex())
 
@@ -144,7 +145,7 @@ class Node:
 
     def _init_on_loop(self) -> None:
         self.backends.bind_thread(self.kv)
-        nixl_backends = self.backends.nixl_backends(self.kv, self.config.agent.backends)
+        nixl_backends = self.backends.nixl_backends(self.kv, self.config.nixl_backends)
         agent_config = dataclasses.replace(self.config.agent, backends=tuple(nixl_backends))
         name = f"kvpush-{self.config.engine_id}-r{self.config.rank}-{self.config.epoch}"
         self.agent = NixlAgent(name, agent_config)
@@ -380,8 +381,12 @@ class Node:
     def _pair_nixl(self, link: _Link, hello: Hello) -> None:
         assert self.agent is not None
         if hello.agent_name in self.agent.peers:
-            self._forget_agent(hello.agent_name)
-        link.agent_peer = self.agent.add_peer(hello.agent_metadata)
+            # Already paired over another link (a kv_both peer dialled us too). Agent
+            # names carry the boot epoch, so it is the same incarnation: share it, and
+            # keep the other link's prepared descriptors valid.
+            link.agent_peer = hello.agent_name
+        else:
+            link.agent_peer = self.agent.add_peer(hello.agent_metadata)
         link.split = pairing_split(self.kv.layout, hello.layout)
         link.remote_table = BlockTable(hello.layout, link.split)
         link.remote_list = self.agent.prepare(
@@ -407,7 +412,8 @@ class Node:
             return
         del self._links[link.peer]
         now = time.monotonic()
-        if link.agent_peer and not self._busy_with(link.agent_peer):
+        shared = any(other.agent_peer == link.agent_peer for other in self._links.values())
+        if link.agent_peer and not shared and not self._busy_with(link.agent_peer):
             self._forget_agent(link.agent_peer)
         if link.outgoing and not link.ready:
             self._run(self.consumer.on_handshake_failed(link.peer, reason, now))
@@ -454,6 +460,10 @@ class Node:
             self._post_write(action, now)
         elif isinstance(action, act.PostRead):
             self._post_read(action, now)
+        elif isinstance(action, act.ExposeBlocks):
+            # A READ copies whatever the memory holds: make it the finished KV first.
+            self._wait_fences(action.transfer_id, len(self.kv.layout.layers))
+            self.backends.stage(self.kv, action.block_ids, "to_host")
         elif isinstance(action, act.Delivered):
             self._delivered(action)
         elif isinstance(action, act.TransferFailed):

@@ -50,8 +50,7 @@ class ConnectorConfig:
 
     @property
     def agent(self) -> AgentConfig:
-        backends = self.nixl_backends or AgentConfig().backends
-        return AgentConfig(backends=backends, ucx_error_handling=self.ucx_error_handling)
+        return AgentConfig(ucx_error_handling=self.ucx_error_handling)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

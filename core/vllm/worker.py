@@ -76,6 +76,7 @@ class WorkerSide:
             protocol=self.config.protocol,
             agent=self.config.agent,
             secret=load_secret(self.config.secret),
+            nixl_backends=self.config.nixl_backends,
         )
         self.node = Node(node_config, kv, self.backends).start()
         self._layer_index = {name: i for i, name in enumerate(kv.layout.layer_names)}

@@ -11,6 +11,7 @@ import time
 
 import msgspec
 import numpy as np
+
 from kvpush.layout import BlockTable, KVLayout
 from kvpush.plugins import get_backends
 from kvpush.transport.agent import NixlAgent

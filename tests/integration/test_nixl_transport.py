@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 from agent_peer import Peer
+
 from kvpush.errors import MetadataError, RegionError, TransportError
 from kvpush.regions import MemRegion
 

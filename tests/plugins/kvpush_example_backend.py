@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from kvpush.device import BackendInfo, DeviceKV, Probe
 from kvpush.hookspecs import hookimpl
 from kvpush.layout import TensorView, layout_from_views

@@ -297,6 +297,9 @@ class Sim:
                 self.p_ledger.release(action.transfer_id)
             elif isinstance(action, act.Counted):
                 self.counted.append(action)
+            elif isinstance(action, act.ExposeBlocks):
+                if not self.p_ledger.holds(action.transfer_id, action.block_ids):
+                    self.errors.append(f"{action.transfer_id} exposed blocks it does not hold")
             else:
                 self.errors.append(f"producer emitted unexpected {action!r}")
 

@@ -6,6 +6,7 @@ import ctypes
 
 import numpy as np
 import pytest
+
 from kvpush.errors import RegionError
 from kvpush.host_backend import host_view
 from kvpush.layout import BlockTable, KVLayout, layout_from_views, pairing_split, units

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from kvpush.transport.channel import MAX_FRAME, Connection, Listener, connect
 from kvpush.transport.loop import Loop
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvpush.errors import BackendError, BackendNotImplemented, ConfigError
 from kvpush.plugins import Backends
 

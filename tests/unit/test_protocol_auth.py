@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from protocol_sim import hello as make_hello
+
 from kvpush.errors import AuthError, ConfigError, ProtocolError
 from kvpush.protocol import messages as m
 from kvpush.protocol.auth import Session, load_secret
 from kvpush.protocol.config import ProtocolConfig
-from protocol_sim import hello as make_hello
 
 SECRET = b"s3cret"
 

@@ -7,10 +7,11 @@ no request left waiting, no WRITE landing in a block that was not its own.
 from __future__ import annotations
 
 import pytest
+from protocol_sim import PRODUCER, Sim
+
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.messages import Cancel, Complete, Failed, Grant, Register
-from protocol_sim import PRODUCER, Sim
 
 
 def test_registration_first_then_kv():

@@ -10,10 +10,11 @@ import contextlib
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from protocol_sim import PRODUCER, Sim
+
 from kvpush.errors import KVPushError
 from kvpush.protocol import messages as m
 from kvpush.protocol.auth import Session
-from protocol_sim import PRODUCER, Sim
 
 TIDS = [f"t{i}" for i in range(4)]
 CONSUMERS = ["decode0", "decode1"]

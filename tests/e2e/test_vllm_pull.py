@@ -1,0 +1,95 @@
+"""Pull mode on real vLLM, the fail policy, and pairing with upstream NixlConnector."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import DECODE_TIMERS, PREFILL_TIMERS, prompt
+
+from kvpush.demo.cluster import free_port
+from kvpush.demo.servers import MODEL_NAME
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def pull_pair(cluster):
+    cluster.add_server("pull_prefill", "kv_producer", core=0, mode="pull", **PREFILL_TIMERS)
+    cluster.add_server(
+        "pull_decode", "kv_consumer", core=1, mode="pull", policy="fail", **DECODE_TIMERS
+    )
+    cluster.start("pull_prefill", "pull_decode")
+    yield cluster.start_router(["pull_prefill"], ["pull_decode"], mode="pull", name="pull")
+    cluster.stop_router("pull")
+    for name in ("pull_prefill", "pull_decode"):
+        cluster.servers.pop(name).stop()
+
+
+def test_pull_outputs_equal_a_single_instance(cluster, pull_pair, client):
+    single = cluster.servers["single"].url
+    for n in (1, 128, 129, 333, 700):
+        assert client.tokens(pull_pair, prompt(n, 50 + n)) == client.tokens(
+            single, prompt(n, 50 + n)
+        )
+    body = {"model": MODEL_NAME, "prompt": prompt(260, 3), "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    assert client.stream_text(pull_pair, "/v1/completions", body) == client.stream_text(
+        single, "/v1/completions", body
+    )
+    for name in ("pull_prefill", "pull_decode"):
+        assert client.wait_drained(cluster.identity_url(name)) == {
+            "sending": 0, "producing": 0, "receiving": 0,
+        }  # fmt: skip
+
+
+def _decode_leg_params(client, cluster, prefill: str, transfer_id: str) -> dict:
+    identity = client.http.get(cluster.identity_url(prefill) + "/query").json()
+    return {
+        "do_remote_prefill": True, "transfer_id": transfer_id,
+        "transfer_mode": identity["transfer_mode"], "remote_engine_id": identity["engine_id"],
+        "remote_epoch": identity["epoch"], "remote_addresses": identity["addresses"],
+        "tp_size": identity["tp_size"],
+    }  # fmt: skip
+
+
+def test_fail_policy_turns_a_lost_transfer_into_an_error(cluster, pull_pair, client):
+    params = _decode_leg_params(client, cluster, "pull_prefill", "xfer-never-prefilled")
+    response = client.complete(
+        cluster.servers["pull_decode"].url, prompt(90), kv_transfer_params=params
+    )
+    assert response.status_code >= 500
+    assert client.wait_drained(cluster.identity_url("pull_decode"))["receiving"] == 0
+
+
+def test_push_prefill_and_pull_decode_refuse_to_pair(cluster, pull_pair, client):
+    params = _decode_leg_params(client, cluster, "prefill", "xfer-mode-mismatch")
+    decode = cluster.servers["pull_decode"]
+    response = client.complete(decode.url, prompt(30), kv_transfer_params=params)
+    assert response.status_code >= 500
+    assert "transfer mode mismatch: the prefill instance is in push mode" in decode.log_tail(400)
+
+
+def test_upstream_nixl_connector_prefill_cannot_pair(cluster, pull_pair, client):
+    nixl = cluster.add_server("nixl_prefill", None, core=0)
+    nixl.spec.kv_transfer_config = {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+    }  # fmt: skip
+    nixl.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    try:
+        cluster.start("nixl_prefill")
+        # Through the router: no kvpush identity, so a clear 502 rather than a hang.
+        router = cluster.start_router(["nixl_prefill"], ["pull_decode"], mode="pull", name="nixl")
+        response = client.complete(router, prompt(40))
+        assert response.status_code == 502
+        assert "NixlConnector cannot pair" in response.json()["error"]["message"]
+        # By hand: upstream's real prefill answer, given to a kvpush decode.
+        leg = client.complete(
+            nixl.url, prompt(40), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
+        upstream_params = leg.json()["kv_transfer_params"]
+        decode = cluster.servers["pull_decode"]
+        response = client.complete(decode.url, prompt(40), kv_transfer_params=upstream_params)
+        assert response.status_code >= 500
+        assert "cannot pair with it" in decode.log_tail(400)
+    finally:
+        cluster.stop_router("nixl")
+        cluster.servers.pop("nixl_prefill").stop()
