@@ -109,10 +109,10 @@ class Cluster:
         port = free_port()
         command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
                    "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
-        for name in prefill:
-            command += ["--prefill", self.prefill_spec(name)]
-        for name in decode:
-            command += ["--decode", self.servers[name].url]
+        for server in prefill:
+            command += ["--prefill", self.prefill_spec(server)]
+        for server in decode:
+            command += ["--decode", self.servers[server].url]
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
         router = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -83,19 +83,6 @@ def test_no_backend_for_a_device_names_the_device():
         Backends(["host"]).describe({"l0": Weird()}, ("blocks",))
 
 
-def test_cuda_and_neuron_say_what_is_not_implemented():
-    class FakeCudaTensor:
-        class device:
-            type = "cuda"
-
-    backends = Backends()
-    missing = backends.get("cuda").info.missing
-    if not missing:
-        pytest.skip("the CUDA backend is fully implemented")
-    with pytest.raises(BackendNotImplemented, match="not implemented for backend 'cuda'"):
-        backends.describe({"l0": FakeCudaTensor()}, ("blocks",))
-
-
 def test_a_backend_that_fails_to_import_is_named(tmp_path, monkeypatch):
     dist = tmp_path / "broken_backend-1.0.dist-info"
     dist.mkdir()

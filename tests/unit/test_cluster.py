@@ -1,0 +1,40 @@
+"""The helper that runs deployments for the demo and the end-to-end tests leaves
+nothing behind."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+
+from kvpush.demo.cluster import Cluster, kvpush_transfer_config
+
+
+def test_routers_start_restart_and_stop_without_leaking(tmp_path):
+    cluster = Cluster(tmp_path, tmp_path / "model")
+    unreachable = SimpleNamespace(url="http://127.0.0.1:9", stop=lambda: None)
+    cluster.servers = {"p": unreachable, "d": unreachable}
+    first = cluster.start_router(["p"], ["d"], name="a")
+    process_a, _ = cluster.routers["a"]
+    second = cluster.start_router(["p"], ["d"], name="b", mode="pull")
+    assert first != second
+    assert httpx.get(second + "/metrics").status_code == 200
+    restarted = cluster.start_router(["p"], ["d"], name="a")
+    assert process_a.poll() is not None  # the old "a" is gone, not orphaned
+    processes = [process for process, _ in cluster.routers.values()]
+    assert len(processes) == 2 and restarted != first
+    cluster.stop()
+    assert all(process.poll() is not None for process in processes)
+    assert cluster.routers == {}
+
+
+def test_transfer_config_names_the_connector_and_validates_the_role():
+    config = kvpush_transfer_config("kv_both", mode="pull", lease_s=5)
+    assert config["kv_connector"] == "KVPushConnector"
+    assert config["kv_connector_extra_config"] == {"mode": "pull", "lease_s": 5}
+    try:
+        kvpush_transfer_config("kv_prefill")
+    except Exception as exc:
+        assert "kv_role must be one of" in str(exc)
+    else:
+        raise AssertionError("an unknown role was accepted")
