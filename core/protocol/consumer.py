@@ -34,10 +34,12 @@ from kvpush.protocol.messages import (
     PullRequest,
     Register,
     Release,
+    decode_notif,
 )
 from kvpush.protocol.timers import Deadlines
 
-NOTIF_PREFIX = b"kvpush:"
+# Ended transfers remembered so their late messages are not counted as strays.
+_ENDED_MEMORY = 4096
 
 # States in which the producer may hold our blocks and write into them.
 _PRODUCER_MAY_WRITE = ("registered",)
@@ -60,6 +62,7 @@ class _Transfer:
     give_up_at: float = 0.0  # max_wait_s after the blocks were allocated
     read_deadline: float = 0.0
     notified: bool = False
+    kv_ready_wall: float = 0.0
     complete: Complete | None = None
     cancel_reason: str | None = None
 
@@ -72,6 +75,7 @@ class Consumer:
         self.layout_digest = layout_digest
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, _Transfer] = {}
+        self._ended: dict[str, None] = {}  # insertion-ordered, bounded
         self._deadlines = Deadlines()
 
     # -- engine events ---------------------------------------------------------------
@@ -175,13 +179,11 @@ class Consumer:
                 transfer.state = "cancelling"
                 transfer.cancel_reason = "peer_lost"
                 self._deadlines.cancel(("watchdog", transfer.transfer_id))
-                self._deadlines.set(
-                    ("settle", transfer.transfer_id), now + self.config.write_grace_s
-                )
+                self._deadlines.set(("settle", transfer.transfer_id), now + self._landing_bound())
             elif transfer.state == "cancelling":
                 settle = min(
                     self._deadlines.get(("settle", transfer.transfer_id)) or float("inf"),
-                    now + self.config.write_grace_s,
+                    now + self._landing_bound(),
                 )
                 self._deadlines.set(("settle", transfer.transfer_id), settle)
         return actions
@@ -192,12 +194,18 @@ class Consumer:
         if isinstance(message, Heartbeat):
             return self._on_heartbeat(peer, message, now)
         if transfer is None or transfer.peer != peer:
+            if transfer_id in self._ended:
+                return []  # e.g. the Complete after the notification already delivered
             return [Counted("rejected_messages", {"why": "unknown_transfer"})]
         if isinstance(message, Complete):
             return self._on_complete(transfer, message, now)
         if isinstance(message, Failed):
             return self._on_failed(transfer, message)
         if isinstance(message, CancelAck):
+            if transfer.state == "reading":
+                # The producer let go of what we are reading: the bytes cannot be trusted.
+                transfer.cancel_reason = transfer.cancel_reason or "aborted"
+                return []
             if transfer.state != "cancelling":
                 return [Counted("rejected_messages", {"why": "unexpected_cancel_ack"})]
             return self._fail(transfer, transfer.cancel_reason or "aborted")
@@ -206,16 +214,27 @@ class Consumer:
         return [Counted("rejected_messages", {"why": f"unexpected_{type(message).__name__}"})]
 
     def on_notif(self, peer: str, notif: bytes, now: float) -> list[Action]:
-        """NIXL delivered a WRITE's notification: its bytes have landed."""
-        if not notif.startswith(NOTIF_PREFIX):
+        """NIXL delivered the notification of a transfer's last WRITE.
+
+        NIXL sends it only after that WRITE's bytes, and the producer posts each WRITE
+        of a transfer after the previous one completed, so all the KV has landed: the
+        transfer is delivered without waiting for the Complete message.
+        """
+        decoded = decode_notif(notif)
+        if decoded is None:
             return [Counted("rejected_notifs", {"why": "foreign"})]
-        transfer_id = notif[len(NOTIF_PREFIX) :].decode(errors="replace")
+        transfer_id, wall = decoded
         transfer = self._transfers.get(transfer_id)
-        if transfer is None:
-            return [Counted("rejected_notifs", {"why": "unknown_transfer"})]
+        if transfer is None or transfer.peer != peer:
+            why = "late" if transfer_id in self._ended else "unknown_transfer"
+            return [Counted("rejected_notifs", {"why": why})]
         transfer.notified = True
-        if transfer.state == "landing":
+        transfer.kv_ready_wall = wall
+        if transfer.state in ("registered", "landing"):
             return self._deliver(transfer)
+        if transfer.state == "cancelling":
+            # The last WRITE landed: nothing more will be written into these blocks.
+            return self._fail(transfer, transfer.cancel_reason or "aborted")
         return []
 
     def on_read_done(
@@ -313,7 +332,13 @@ class Consumer:
             return [Counted("rejected_messages", {"why": "unexpected_complete"})]
         transfer.complete = message
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
-        if transfer.notified or not message.notif:
+        if not message.notif:
+            if transfer.blocks:
+                # Only a transfer with nothing to move may complete without a WRITE.
+                detail = "the producer completed without writing the registered blocks"
+                return self._fail(transfer, "write_failed", detail)
+            return self._deliver(transfer)
+        if transfer.notified:
             return self._deliver(transfer)
         transfer.state = "landing"
         self._deadlines.set(("landing", transfer.transfer_id), now + self.config.landing_s)
@@ -377,9 +402,15 @@ class Consumer:
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         hello = self._peers[transfer.peer].hello if transfer.peer in self._peers else None
         ttl = hello.registration_ttl_s if hello else self.config.registration_ttl_s
-        settle = transfer.claimed_at + ttl + self.config.write_grace_s
+        settle = transfer.claimed_at + ttl + self._landing_bound()
         self._deadlines.set(("settle", transfer.transfer_id), max(settle, now))
         return []
+
+    def _landing_bound(self) -> float:
+        """How long after the producer's last chance to post a WRITE it may still land:
+        its Node aborts a WRITE after write_grace_s; a heartbeat's worth of margin
+        covers the two sides' timer granularity."""
+        return self.config.write_grace_s + self.config.heartbeat_s
 
     def _heartbeats(self, now: float) -> list[Action]:
         wanted: dict[str, list[str]] = {}
@@ -401,13 +432,8 @@ class Consumer:
     def _deliver(self, transfer: _Transfer) -> list[Action]:
         complete = transfer.complete
         self._forget(transfer)
-        return [
-            Delivered(
-                transfer.transfer_id,
-                complete.nbytes if complete else 0,
-                complete.kv_ready_wall if complete else 0.0,
-            )
-        ]
+        wall = complete.kv_ready_wall if complete else transfer.kv_ready_wall
+        return [Delivered(transfer.transfer_id, complete.nbytes if complete else 0, wall)]
 
     def _fail(self, transfer: _Transfer, reason: str, detail: str = "") -> list[Action]:
         self._forget(transfer)
@@ -417,6 +443,9 @@ class Consumer:
 
     def _forget(self, transfer: _Transfer) -> None:
         self._transfers.pop(transfer.transfer_id, None)
+        self._ended[transfer.transfer_id] = None
+        if len(self._ended) > _ENDED_MEMORY:
+            del self._ended[next(iter(self._ended))]
         for kind in ("watchdog", "landing", "settle"):
             self._deadlines.cancel((kind, transfer.transfer_id))
 

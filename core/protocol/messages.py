@@ -157,6 +157,28 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+NOTIF_PREFIX = b"kvpush:"
+
+
+def encode_notif(transfer_id: str, kv_ready_wall: float) -> bytes:
+    """The NIXL notification riding on a transfer's last WRITE."""
+    return NOTIF_PREFIX + msgspec.msgpack.encode((transfer_id, kv_ready_wall))
+
+
+def decode_notif(notif: bytes) -> tuple[str, float] | None:
+    """(transfer id, producer's KV-ready wall clock), or None if it is not ours."""
+    if not notif.startswith(NOTIF_PREFIX):
+        return None
+    try:
+        transfer_id, wall = msgspec.msgpack.decode(
+            notif[len(NOTIF_PREFIX) :], type=tuple[str, float]
+        )
+        check_transfer_id(transfer_id)
+    except (msgspec.DecodeError, msgspec.ValidationError, ProtocolError):
+        return None
+    return transfer_id, wall
+
+
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 

@@ -40,6 +40,7 @@ from kvpush.protocol.messages import (
     PullRequest,
     Register,
     Release,
+    encode_notif,
 )
 from kvpush.protocol.timers import Deadlines
 
@@ -82,7 +83,8 @@ class Producer:
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._tombstones: dict[str, str] = {}  # ended transfer id -> why
-        self._released: set[str] = set()  # tombstoned ids whose blocks were released
+        self._released: set[str] = set()  # released before the engine's last layer report
+        self._refused: dict[tuple[str, str], str] = {}  # (peer, id) told Failed -> why
         self._deadlines = Deadlines()
 
     # -- sessions --------------------------------------------------------------------
@@ -127,10 +129,16 @@ class Producer:
         clock when the last layer was ready) travels to the consumer for metrics.
         """
         layers = self.num_layers if layers is None else min(layers, self.num_layers)
+        final = layers == self.num_layers
+        if transfer_id in self._released:
+            # Released already; the engine is still reporting layers. Its last report
+            # ends the story (a tombstone may have expired meanwhile: this must not).
+            if final:
+                self._released.discard(transfer_id)
+            return []
         if transfer_id in self._tombstones:
-            if transfer_id in self._released:
-                return []
-            self._released.add(transfer_id)
+            if not final:
+                self._released.add(transfer_id)
             return [ReleaseBlocks(transfer_id, self._tombstones[transfer_id])]
         transfer = self._transfers.setdefault(transfer_id, _Transfer(transfer_id))
         if transfer.final or layers <= transfer.layers_ready:
@@ -157,6 +165,7 @@ class Producer:
         """The engine dropped the request (client gone, router cancelled the leg)."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None:
+            self._released.discard(transfer_id)  # no more layer reports will come
             self._tombstone(transfer_id, "aborted", now)
             return []
         if transfer.state == "writing":
@@ -187,7 +196,7 @@ class Producer:
             transfer.nbytes += nbytes
             if not (transfer.final and transfer.layers_written == self.num_layers):
                 return self._write_more(transfer, now)
-            notif = _notif(transfer_id)
+            notif = encode_notif(transfer_id, transfer.kv_ready_wall)
             message = Complete(transfer_id, notif, transfer.nbytes, transfer.kv_ready_wall)
             outcome = "sent"
         actions: list[Action] = [Send(peer, message)] if peer in self._peers else []
@@ -212,27 +221,54 @@ class Producer:
 
     def _on_register(self, peer: str, message: Register, now: float) -> list[Action]:
         tid = message.transfer_id
-        if self.config.mode != "push":
-            return [Send(peer, Failed(tid, "handshake_failed", "this producer is in pull mode"))]
-        if tid in self._tombstones:
-            return [Send(peer, Failed(tid, self._tombstones[tid], "the transfer already ended"))]
-        problem = self._check_destinations(peer, message)
-        if problem:
-            return [Send(peer, Failed(tid, "bad_blocks", problem))]
-        transfer = self._transfers.setdefault(tid, _Transfer(tid))
+        refusal = self._refusal(peer, tid, "push")
+        if refusal is None:
+            problem = self._check_destinations(peer, message)
+            refusal = ("bad_blocks", problem) if problem else None
+        transfer = self._transfers.get(tid)
         destinations = message.block_ids[0]
-        if transfer.peer is not None:
-            same = transfer.peer == peer and transfer.dst_blocks == destinations
-            if same:
+        if refusal is None and transfer is not None and transfer.peer is not None:
+            if transfer.peer == peer and transfer.dst_blocks == destinations:
                 return [Counted("duplicate_registrations")]
-            return [Send(peer, Failed(tid, "conflict", "transfer id is bound to another claim"))]
+            refusal = ("conflict", "the transfer id is already claimed")
+        if refusal is not None:
+            return self._refuse(peer, tid, *refusal, now)
+        transfer = self._transfers.setdefault(tid, _Transfer(tid))
         transfer.peer = peer
         transfer.dst_blocks = list(destinations)
         transfer.skip_blocks = message.skip_blocks
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+        self._arm_heartbeat(now)  # the consumer hears from us while prefill computes
         if transfer.kv_blocks is not None:
             return self._write_more(transfer, now)
-        return self._arm_heartbeat(now)
+        return []
+
+    def _refusal(self, peer: str, tid: str, mode: str) -> tuple[str, str] | None:
+        """Why a claim on `tid` from `peer` must be refused before looking at it."""
+        if self.config.mode != mode:
+            return "handshake_failed", f"this producer is in {self.config.mode} mode"
+        if (peer, tid) in self._refused:
+            return self._refused[(peer, tid)], "this claim was refused before"
+        if tid in self._tombstones:
+            return self._tombstones[tid], "the transfer already ended"
+        return None
+
+    def _refuse(self, peer: str, tid: str, reason: str, detail: str, now: float) -> list[Action]:
+        """Tell `peer` the transfer failed, and keep that promise: nothing more is
+        written for `tid` into its blocks, whatever it sends later."""
+        transfer = self._transfers.get(tid)
+        if transfer is not None and transfer.peer == peer:
+            if transfer.state == "writing":
+                transfer.cancel_reason = transfer.cancel_reason or reason
+                return []  # Failed goes out when the WRITE in flight is over
+            if transfer.state == "granted":
+                return [Send(peer, Failed(tid, reason, detail))] + self._hold_grant(
+                    transfer, reason
+                )
+            return self._end(transfer, reason, now, notify=True, detail=detail)
+        self._refused[(peer, tid)] = reason
+        self._deadlines.set(("refused", (peer, tid)), now + self.config.tombstone_s)
+        return [Send(peer, Failed(tid, reason, detail))]
 
     def _check_destinations(self, peer: str, message: Register) -> str | None:
         consumer = self._peers[peer]
@@ -280,22 +316,22 @@ class Producer:
                 transfer.peer,
                 sources[: len(destinations)],
                 destinations,
-                _notif(transfer.transfer_id) if last else b"",
+                encode_notif(transfer.transfer_id, transfer.kv_ready_wall) if last else b"",
                 (transfer.layers_written, transfer.layers_ready),
             )
         ]
 
     def _on_pull_request(self, peer: str, message: PullRequest, now: float) -> list[Action]:
         tid = message.transfer_id
-        if self.config.mode != "pull":
-            return [Send(peer, Failed(tid, "handshake_failed", "this producer is in push mode"))]
-        if tid in self._tombstones:
-            return [Send(peer, Failed(tid, self._tombstones[tid], "the transfer already ended"))]
+        refusal = self._refusal(peer, tid, "pull")
+        transfer = self._transfers.get(tid)
+        if refusal is None and transfer is not None and transfer.peer not in (None, peer):
+            refusal = ("conflict", "another consumer is reading it")
+        if refusal is None and message.num_blocks <= 0:
+            refusal = ("bad_blocks", "a pull must ask for at least a block")
+        if refusal is not None:
+            return self._refuse(peer, tid, *refusal, now)
         transfer = self._transfers.setdefault(tid, _Transfer(tid))
-        if transfer.peer is not None and transfer.peer != peer:
-            return [Send(peer, Failed(tid, "conflict", "another consumer is reading it"))]
-        if message.num_blocks <= 0:
-            return [Send(peer, Failed(tid, "bad_blocks", "a pull must ask for at least a block"))]
         transfer.peer = peer
         transfer.pull_blocks = message.num_blocks
         if transfer.final:
@@ -315,6 +351,12 @@ class Producer:
         grant = Grant(transfer.transfer_id, [blocks], self.config.lease_s)
         return [ExposeBlocks(transfer.transfer_id, blocks), Send(transfer.peer, grant)]
 
+    def _hold_grant(self, transfer: _Transfer, reason: str) -> list[Action]:
+        """A granted transfer is abandoned, but a READ may still be copying its blocks:
+        keep them until the consumer's Release or the lease's end, renewing nothing."""
+        transfer.cancel_reason = transfer.cancel_reason or reason
+        return []
+
     def _on_release(self, peer: str, message: Release, now: float) -> list[Action]:
         transfer = self._transfers.get(message.transfer_id)
         if transfer is None or transfer.peer != peer or transfer.state != "granted":
@@ -329,7 +371,7 @@ class Producer:
                     # A consumer already waits for KV this engine has not produced yet.
                     self._deadlines.set(("claim", tid), now + self.config.lease_s)
                 continue
-            if transfer.peer not in (None, peer):
+            if transfer.peer not in (None, peer) or transfer.cancel_reason:
                 continue
             self._deadlines.extend(("lease", tid), now + self.config.lease_s)
             self._deadlines.extend(("reg", tid), now + self.config.registration_ttl_s)
@@ -338,9 +380,14 @@ class Producer:
     def _on_cancel(self, peer: str, message: Cancel, now: float) -> list[Action]:
         tid = message.transfer_id
         transfer = self._transfers.get(tid)
-        if transfer is None or transfer.peer not in (None, peer):
+        if transfer is not None and transfer.peer not in (None, peer):
+            return [Send(peer, CancelAck(tid))]  # someone else's transfer: not yours to end
+        if transfer is None:
+            # The consumer gave up before we heard of it: free the KV as soon as it exists.
             self._tombstone(tid, "aborted", now)
             return [Send(peer, CancelAck(tid))]
+        if transfer.state == "granted":
+            return [Send(peer, CancelAck(tid))] + self._hold_grant(transfer, message.reason)
         if transfer.state == "writing":
             # The WRITE cannot be recalled; the ack goes out when it is over.
             transfer.cancel_reason = message.reason
@@ -360,19 +407,25 @@ class Producer:
         for kind, tid in self._deadlines.pop_expired(now):
             if kind == "tomb":
                 self._tombstones.pop(tid, None)
-                self._released.discard(tid)
+            elif kind == "refused":
+                self._refused.pop(tid, None)
             elif kind == "heartbeat":
                 actions += self._heartbeats(now)
-            elif kind == "lease" and tid in self._transfers:
-                actions += self._end(self._transfers[tid], "lease_expired", now, notify=True)
-            elif kind == "reg" and tid in self._transfers:
-                transfer = self._transfers[tid]
-                if transfer.in_engine and transfer.peer is None:
-                    # Nobody claimed it yet and the engine still works on it: keep waiting.
-                    self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
-                    continue
-                actions += self._end(transfer, "registration_expired", now, notify=True)
+            elif kind in ("lease", "reg") and tid in self._transfers:
+                actions += self._expire(self._transfers[tid], kind, now)
         return actions
+
+    def _expire(self, transfer: _Transfer, kind: str, now: float) -> list[Action]:
+        reason = "lease_expired" if kind == "lease" else "registration_expired"
+        if transfer.state == "writing":
+            # A WRITE in flight cannot be recalled: its completion ends the transfer.
+            transfer.cancel_reason = transfer.cancel_reason or reason
+            return []
+        if kind == "reg" and transfer.in_engine and transfer.peer is None:
+            # Nobody claimed it yet and the engine still works on it: keep waiting.
+            self._deadlines.set(("reg", transfer.transfer_id), now + self.config.registration_ttl_s)
+            return []
+        return self._end(transfer, reason, now, notify=True)
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next_deadline()
@@ -389,7 +442,7 @@ class Producer:
             computing = not transfer.final and (transfer.in_engine or bool(transfer.kv_blocks))
             if transfer.peer in self._peers and (computing or transfer.state == "writing"):
                 waiting.setdefault(transfer.peer, []).append(transfer.transfer_id)
-        if any(not t.final for t in self._transfers.values()):
+        if any(not t.final or t.state == "writing" for t in self._transfers.values()):
             self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
         return [Send(peer, Heartbeat(tids)) for peer, tids in waiting.items()]
 
@@ -408,7 +461,8 @@ class Producer:
         if notify and transfer.peer in self._peers:
             actions.append(Send(transfer.peer, Failed(tid, outcome, detail)))
         if transfer.kv_blocks is not None:
-            self._released.add(tid)
+            if not transfer.final:
+                self._released.add(tid)  # more layer reports will come: ignore them
             actions.append(ReleaseBlocks(tid, outcome))
         return actions
 
@@ -428,7 +482,3 @@ class Producer:
     def awaiting_reads(self) -> bool:
         """True while a consumer may be reading our blocks (pull)."""
         return any(t.state == "granted" for t in self._transfers.values())
-
-
-def _notif(transfer_id: str) -> bytes:
-    return b"kvpush:" + transfer_id.encode()

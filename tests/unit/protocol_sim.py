@@ -129,10 +129,12 @@ class Sim:
             self.consumers[name] = ConsumerSide(name, machine, h, Ledger(name, consumer_blocks))
         self.network: deque[tuple[str, str, object]] = deque()  # (to, from, message)
         self.writes: dict[str, tuple[str, act.PostWrite]] = {}
+        self.posted_at: dict[str, float] = {}
         self.notifs: deque[tuple[str, bytes]] = deque()
         self.counted: list[act.Counted] = []
         self.errors: list[str] = []
         self.partitioned = False  # while True, every message sent is lost
+        self.stale_reads: set[str] = set()  # READs that copied freed producer blocks
 
     @property
     def c(self) -> ConsumerSide:
@@ -206,7 +208,8 @@ class Sim:
             for tid, post in list(side.reads.items()):
                 del side.reads[tid]
                 if ok and not self.p_ledger.holds(tid, post.remote_blocks):
-                    self.errors.append(f"READ {tid} read producer blocks already freed")
+                    # Harmless unless the consumer then trusts what it read.
+                    self.stale_reads.add(tid)
                 if ok:
                     for block in post.local_blocks:
                         for layer in range(self.layers):
@@ -220,10 +223,18 @@ class Sim:
             self._run_consumer(side, side.machine.on_notif(PRODUCER, notif, self.now))
 
     def advance(self, seconds: float) -> None:
-        """Let time pass, one heartbeat at a time, delivering what is sent meanwhile."""
+        """Let time pass, one heartbeat at a time, delivering what is sent meanwhile.
+
+        A WRITE still in flight after write_grace_s is aborted, as the Node does.
+        """
         target = self.now + seconds
         while self.now < target:
             self.now = min(target, self.now + 0.5)
+            for tid in [
+                t for t in self.writes if self.now - self.posted_at[t] >= self.config.write_grace_s
+            ]:
+                del self.writes[tid]
+                self._run_producer(self.producer.on_write_done(tid, False, self.now, "timed out"))
             self._run_producer(self.producer.tick(self.now))
             for side in self.consumers.values():
                 self._run_consumer(side, side.machine.tick(self.now))
@@ -288,6 +299,7 @@ class Sim:
                 if action.transfer_id in self.writes:
                     self.errors.append(f"two WRITEs in flight for {action.transfer_id}")
                 self.writes[action.transfer_id] = (action.peer, action)
+                self.posted_at[action.transfer_id] = self.now
             elif isinstance(action, act.ReleaseBlocks):
                 if action.transfer_id in self.writes:
                     self.errors.append(f"{action.transfer_id} released during its WRITE")
@@ -322,6 +334,8 @@ class Sim:
                 ]
                 if wrong:
                     self.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
+                if tid in self.stale_reads:
+                    self.errors.append(f"{tid} delivered bytes read from freed producer blocks")
                 side.delivered.append(tid)
                 side.ledger.release(tid)  # the request ran and finished with its blocks
             elif isinstance(action, act.TransferFailed):
