@@ -115,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     proto.add_argument(
         "--prefill-ms-per-request",
         type=float,
-        default=2.0,
-        help="prefill compute per request in a batch (a step takes this times the batch)",
+        default=20.0,
+        help="prefill compute per request in a batch; a step takes this times the batch",
     )
     proto.add_argument(
         "--decode-step-ms",
         type=float,
-        default=5.0,
-        help="decode engine step; 0 = notice transfers the moment they land",
+        default=10.0,
+        help="decode step (upstream measured 7-10 ms TPOT); 0: notice transfers at once",
     )
     proto.add_argument("--idle-seconds", type=float, default=3.0)
     proto.set_defaults(run=_bench_protocol)

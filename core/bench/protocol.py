@@ -34,14 +34,15 @@ from kvpush.plugins import get_backends
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.runtime.node import Node, NodeConfig
 
-LAYERS, POOL_BLOCKS, BLOCK_BYTES, BLOCKS_PER_REQUEST = 4, 512, 64 * 1024, 8
-SAMPLE_STRIDE = 4096
+# 32 layers, as an 8B-parameter model has; 8 blocks of 8 KiB each per layer: 2 MiB a request.
+LAYERS, POOL_BLOCKS, BLOCK_BYTES, BLOCKS_PER_REQUEST = 32, 512, 8 * 1024, 8
+SAMPLE_STRIDE = 1024
 
 
 @dataclass(frozen=True)
 class Settings:
-    prefill_s_per_request: float = 0.002
-    decode_step_s: float = 0.005
+    prefill_s_per_request: float = 0.020
+    decode_step_s: float = 0.010
     requests_per_stream: int = 8
     idle_seconds: float = 3.0
 
@@ -123,14 +124,13 @@ def _producer_main(mode: str, settings: Settings, conn: Any) -> None:
         step = settings.prefill_s_per_request * len(batch) * rng.uniform(0.5, 1.5)
         layer_time = step / LAYERS
         for layer in range(LAYERS):
-            time.sleep(layer_time)
-            last = layer == LAYERS - 1
+            time.sleep(layer_time)  # the layer's attention writes every request's KV:
             for tid in batch:
                 buf[layer, blocks[tid]] = _value(tid)
-                wall = time.time()
-                node.kv_ready(tid, blocks[tid], ready_wall=wall, layers=layer + 1)
-                if last:
-                    conn.send(("done", (tid, wall)))
+            wall = time.time()  # then the engine hook reports the layer for the batch
+            node.kv_ready_many([(t, blocks[t]) for t in batch], ready_wall=wall, layers=layer + 1)
+        for tid in batch:
+            conn.send(("done", (tid, wall)))
     node.close()
 
 

@@ -219,22 +219,35 @@ class Node:
         `fence` (from Backends.fence) marks the last device write of those layers; the
         WRITE that reads them waits on it. Staged KV moves only once complete.
         """
-        blocks = [int(b) for b in block_ids]
-        wall = time.time() if ready_wall is None else ready_wall
+        self.kv_ready_many([(transfer_id, block_ids)], fence, ready_wall, layers)
+
+    def kv_ready_many(
+        self,
+        transfers: Sequence[tuple[str, Sequence[int]]],
+        fence: Any = None,
+        ready_wall: float | None = None,
+        layers: int | None = None,
+    ) -> None:
+        """kv_ready for a batch that one forward pass computed together: one hand-off
+        to the loop thread for all of them, so their WRITEs go out back to back."""
         total = len(self.kv.layout.layers)
         upto = total if layers is None else min(layers, total)
         if upto < total and self.kv.path == "staged":
             return  # staging copies whole blocks; it waits for the last layer
+        wall = time.time() if ready_wall is None else ready_wall
+        batch = [(tid, [int(b) for b in blocks]) for tid, blocks in transfers]
 
-        def run(now: float) -> list[act.Action]:
-            if transfer_id not in self._fences:
-                self.metrics.inc("transfers_started", role="producer")
-                self._fences[transfer_id] = {}
-            if fence is not None:
-                self._fences[transfer_id][upto] = fence
-            return self.producer.kv_ready(transfer_id, blocks, now, wall, upto)
+        def run() -> None:
+            now = time.monotonic()
+            for transfer_id, blocks in batch:
+                if transfer_id not in self._fences:
+                    self.metrics.inc("transfers_started", role="producer")
+                    self._fences[transfer_id] = {}
+                if fence is not None:
+                    self._fences[transfer_id][upto] = fence
+                self._run(self.producer.kv_ready(transfer_id, blocks, now, wall, upto))
 
-        self._submit_fn(run, transfer_id)
+        self.loop.call_soon(run)
 
     def abort(self, transfer_id: str) -> None:
         """Either side: the engine dropped the request for `transfer_id`."""

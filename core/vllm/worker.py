@@ -130,8 +130,8 @@ class WorkerSide:
             return
         node = self._node()
         fence = self.backends.fence(node.kv, layer_name)
-        for produce in self._produces:
-            node.kv_ready(produce.transfer_id, produce.block_ids, fence, layers=index + 1)
+        batch = [(p.transfer_id, p.block_ids) for p in self._produces]
+        node.kv_ready_many(batch, fence, layers=index + 1)
 
     def end_step(self) -> None:
         """The forward pass is over: every layer of this step's KV exists."""
@@ -139,9 +139,8 @@ class WorkerSide:
             return
         node = self._node()
         fence = self.backends.fence(node.kv, None)
-        now = time.time()
-        for produce in self._produces:
-            node.kv_ready(produce.transfer_id, produce.block_ids, fence, ready_wall=now)
+        batch = [(p.transfer_id, p.block_ids) for p in self._produces]
+        node.kv_ready_many(batch, fence, ready_wall=time.time())
         self._produces = []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
