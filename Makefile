@@ -27,10 +27,12 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/python -m pytest
 
+demo: venv
+	$(BIN)/kvpush demo
+
 bench: venv
 	$(BIN)/kvpush bench transfer
-
-demo: bench
+	$(BIN)/kvpush bench protocol
 
 lint: venv
 	$(BIN)/ruff check .

@@ -64,11 +64,11 @@ def _quiet_nixl_logging() -> None:
 class AgentConfig:
     """How the NIXL agent is built.
 
-    Defaults are what measured best on a 2-core host over UCX (docs/transport.md):
-    UCX error handling "none" lets UCX pick its shared-memory transports (4-5x the
-    bandwidth of "peer" here) and a dead peer is still reported within milliseconds;
-    NIXL's progress thread adds tens of milliseconds per notification, so the owner
-    thread drives progress itself.
+    Defaults follow measurements on a 2-core host over UCX (docs/benchmarks.md):
+    NIXL's progress thread spins a core and adds tens of milliseconds per
+    notification, so it is off and the owner thread drives progress. UCX error
+    handling "none" was reported 4-5x faster than "peer" here once and measured
+    even on a later day; with it a dead peer is still reported within milliseconds.
     """
 
     backends: tuple[str, ...] = ("UCX",)

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-COUNTS = ("delivered", "failed", "released", "bytes")
+COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "handshakes_refused")
 SAMPLES = ("done_to_ready_s",)
 
 
@@ -94,4 +94,6 @@ _DOCS = {
     "failed": "kvpush transfers that ended without KV (decode)",
     "released": "kvpush transfers whose source blocks were freed (prefill)",
     "bytes": "Bytes kvpush moved with NIXL",
+    "rejected_messages": "Side-channel messages refused (bad signature, malformed, stray)",
+    "handshakes_refused": "Pairings refused (mode, secret, ranks, layout, metadata)",
 }

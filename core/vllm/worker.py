@@ -59,6 +59,7 @@ class WorkerSide:
         self._recv_failed: set[str] = set()
         self._stats = KVPushStats()
         self._samples_seen = 0
+        self._counted: dict[str, float] = {}  # node counters already reported
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -183,9 +184,17 @@ class WorkerSide:
 
     def stats(self) -> KVPushStats | None:
         if self.node is not None:
-            samples = self.node.metrics.histogram("done_to_ready_seconds").samples
+            metrics = self.node.metrics
+            samples = metrics.histogram("done_to_ready_seconds").samples
             self._stats.data["done_to_ready_s"] += samples[self._samples_seen :]
             self._samples_seen = len(samples)
+            totals = {
+                "rejected_messages": metrics.counter("rejected_messages"),
+                "handshakes_refused": metrics.counter("handshakes", result="refused"),
+            }
+            for key, total in totals.items():
+                self._stats.data[key] += int(total - self._counted.get(key, 0))
+                self._counted[key] = total
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVPushStats()
