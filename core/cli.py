@@ -64,7 +64,7 @@ def _bench_protocol(args: argparse.Namespace) -> int:
         idle_seconds=args.idle_seconds,
     )
     points = tuple(int(p) for p in args.in_flight.split(","))
-    return protocol.main(points, settings, args.json)
+    return protocol.main(points, settings, args.json, args.repeat)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode step (upstream measured 7-10 ms TPOT); 0: notice transfers at once",
     )
     proto.add_argument("--idle-seconds", type=float, default=3.0)
+    proto.add_argument("--repeat", type=int, default=1, help="runs per point; medians reported")
     proto.set_defaults(run=_bench_protocol)
 
     router = commands.add_parser(

@@ -24,6 +24,9 @@ from kvpush.errors import BackendError, ConfigError
 from kvpush.hookspecs import hookimpl
 from kvpush.host_backend import torch_view
 from kvpush.layout import layout_from_views
+
+# Staging copies and release, shared with every staging backend.
+from kvpush.staged import kvpush_release, kvpush_stage_blocks  # noqa: F401
 from kvpush_cuda.runtime import get_runtime
 from kvpush_cuda.staging import HostStaging
 
@@ -129,16 +132,3 @@ def kvpush_fence(kv: DeviceKV, layer: str | None) -> Any:
 @hookimpl
 def kvpush_wait_fence(kv: DeviceKV, fence: Any) -> None:
     get_runtime().wait_event(fence)
-
-
-@hookimpl
-def kvpush_stage_blocks(kv: DeviceKV, block_ids: Sequence[int], direction: str) -> None:
-    if kv.state.staging is None:
-        raise BackendError(f"KV on {kv.device} is not staged; nothing to copy")
-    kv.state.staging.copy(block_ids, direction)
-
-
-@hookimpl
-def kvpush_release(kv: DeviceKV) -> None:
-    if kv.state.staging is not None:
-        kv.state.staging.release()

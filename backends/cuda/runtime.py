@@ -13,6 +13,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvpush.device import Swappable
+
 log = logging.getLogger(__name__)
 
 
@@ -106,19 +108,7 @@ class TorchCuda:
         stream.synchronize()
 
 
-_runtime: CudaRuntime | None = None
-
-
-def get_runtime() -> CudaRuntime:
-    """The runtime the backend uses: the real one unless a test installed another."""
-    global _runtime
-    if _runtime is None:
-        _runtime = TorchCuda()
-    return _runtime
-
-
-def set_runtime(runtime: CudaRuntime | None) -> CudaRuntime | None:
-    """Install `runtime` (None: back to the real one); returns the one it replaces."""
-    global _runtime
-    previous, _runtime = _runtime, runtime
-    return previous
+# The runtime the backend uses: the real one unless a test installed another.
+_runtime: Swappable[CudaRuntime] = Swappable(TorchCuda)
+get_runtime = _runtime.get
+set_runtime = _runtime.set

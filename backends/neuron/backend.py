@@ -34,6 +34,9 @@ from kvpush.errors import BackendError, ConfigError
 from kvpush.hookspecs import hookimpl
 from kvpush.host_backend import torch_view
 from kvpush.layout import TensorView, layout_from_views
+
+# Staging copies and release, shared with every staging backend.
+from kvpush.staged import kvpush_release, kvpush_stage_blocks  # noqa: F401
 from kvpush_neuron import environment
 from kvpush_neuron.runtime import get_runtime
 from kvpush_neuron.staging import HostStaging
@@ -232,16 +235,3 @@ def kvpush_wait_fence(kv: DeviceKV, fence: Any) -> None:
     get_runtime().synchronize(state.legacy)
     with state.lock:
         state.synced = max(state.synced, target)
-
-
-@hookimpl
-def kvpush_stage_blocks(kv: DeviceKV, block_ids: Sequence[int], direction: str) -> None:
-    if kv.state.staging is None:
-        raise BackendError(f"KV on {kv.device} is not staged; nothing to copy")
-    kv.state.staging.copy(block_ids, direction)
-
-
-@hookimpl
-def kvpush_release(kv: DeviceKV) -> None:
-    if kv.state.staging is not None:
-        kv.state.staging.release()

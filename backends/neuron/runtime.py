@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvpush.device import Swappable
 from kvpush.errors import BackendError
 
 #: Device types a Neuron tensor reports: TorchNeuron renames PrivateUse1 to "neuron";
@@ -132,19 +133,7 @@ class TorchNeuron:
         self.synchronize(self.is_legacy(tensor))
 
 
-_runtime: NeuronRuntime | None = None
-
-
-def get_runtime() -> NeuronRuntime:
-    """The runtime the backend uses: the real one unless a test installed another."""
-    global _runtime
-    if _runtime is None:
-        _runtime = TorchNeuron()
-    return _runtime
-
-
-def set_runtime(runtime: NeuronRuntime | None) -> NeuronRuntime | None:
-    """Install `runtime` (None: back to the real one); returns the one it replaces."""
-    global _runtime
-    previous, _runtime = _runtime, runtime
-    return previous
+# The runtime the backend uses: the real one unless a test installed another.
+_runtime: Swappable[NeuronRuntime] = Swappable(TorchNeuron)
+get_runtime = _runtime.get
+set_runtime = _runtime.set

@@ -90,6 +90,21 @@ def _value(transfer_id: str) -> int:
     return 1 + zlib.crc32(transfer_id.encode()) % 250
 
 
+def _commands(conn: Any, wait: bool) -> list[tuple[str, Any]] | None:
+    """The router's commands queued on `conn` (waiting for one if `wait`), or None
+    once it says stop. A request to measure idle CPU is served here, in passing."""
+    commands: list[tuple[str, Any]] = []
+    while conn.poll(None if wait and not commands else 0):
+        kind, payload = conn.recv()
+        if kind == "stop":
+            return None
+        if kind == "idle":
+            conn.send(("idle", _idle_cpu(payload)))
+        else:
+            commands.append((kind, payload))
+    return commands
+
+
 def _producer_main(mode: str, settings: Settings, conn: Any) -> None:
     """The prefill engine: steps of compute, each step's KV ready together."""
     buf, kv = _kv(0)
@@ -98,20 +113,10 @@ def _producer_main(mode: str, settings: Settings, conn: Any) -> None:
     conn.send(("address", node.address))
     pool, queue, held = _Pool(), deque(), {}
     rng = random.Random(7)
-    running = True
-    while running:
-        while conn.poll(0 if queue else None):
-            kind, payload = conn.recv()
-            if kind == "prefill":
-                queue.append(payload)
-                node.kv_pending(payload)
-            elif kind == "idle":
-                conn.send(("idle", _idle_cpu(payload)))
-            elif kind == "stop":
-                running = False
-                break
-        if not running:
-            break
+    while (commands := _commands(conn, wait=not queue)) is not None:
+        for _, tid in commands:  # "prefill"
+            queue.append(tid)
+            node.kv_pending(tid)
         for outcome in node.take_results():
             pool.give(held.pop(outcome.transfer_id))
         if not queue:
@@ -141,19 +146,8 @@ def _consumer_main(mode: str, settings: Settings, producer: str, conn: Any) -> N
     node = Node(config, kv, get_backends(["host"])).start()
     pool, waiting = _Pool(), {}
     arrivals: deque[str] = deque()
-    running = True
-    while running:
-        while conn.poll(0 if (waiting or arrivals) else None):
-            kind, payload = conn.recv()
-            if kind == "decode":
-                arrivals.append(payload)
-            elif kind == "idle":
-                conn.send(("idle", _idle_cpu(payload)))
-            elif kind == "stop":
-                running = False
-                break
-        if not running:
-            break
+    while (commands := _commands(conn, wait=not (waiting or arrivals))) is not None:
+        arrivals.extend(tid for _, tid in commands)  # "decode"
         # Step boundary: admit arrivals, then look at finished transfers.
         while arrivals:
             tid = arrivals.popleft()
@@ -271,14 +265,44 @@ def _wait_ready(p_conn: Any, d_conn: Any, mode: str, tid: str) -> None:
                 return
 
 
-def main(points: tuple[int, ...], settings: Settings, as_json: bool) -> int:
+def _median_of(runs: list[PointResult]) -> PointResult:
+    """One point from repeated runs: medians of the timings, all checks combined."""
+
+    def median(field: str) -> float:
+        return round(statistics.median(getattr(r, field) for r in runs), 3)
+
+    first = runs[0]
+    return PointResult(
+        mode=first.mode,
+        in_flight=first.in_flight,
+        requests=sum(r.requests for r in runs),
+        done_to_ready_p50_ms=median("done_to_ready_p50_ms"),
+        done_to_ready_p90_ms=median("done_to_ready_p90_ms"),
+        done_to_ready_mean_ms=median("done_to_ready_mean_ms"),
+        failed=sum(r.failed for r in runs),
+        verified=all(r.verified for r in runs),
+        kv_mib_per_request=first.kv_mib_per_request,
+        decode_step_ms=first.decode_step_ms,
+        producer_idle_cpu_pct=median("producer_idle_cpu_pct"),
+        consumer_idle_cpu_pct=median("consumer_idle_cpu_pct"),
+    )
+
+
+def main(points: tuple[int, ...], settings: Settings, as_json: bool, repeat: int = 1) -> int:
     progress = sys.stderr.isatty()
     results = []
     for in_flight in points:
         for mode in ("push", "pull"):
-            if progress:
-                print(f"\r{mode} x{in_flight} ...", end="", file=sys.stderr)
-            result = run_point(mode, in_flight, settings)
+            runs = []
+            for attempt in range(repeat):
+                if progress:
+                    print(
+                        f"\r{mode} x{in_flight} ({attempt + 1}/{repeat}) ...",
+                        end="",
+                        file=sys.stderr,
+                    )
+                runs.append(run_point(mode, in_flight, settings))
+            result = _median_of(runs)
             results.append(result)
             if as_json:
                 print(json.dumps(asdict(result)), flush=True)

@@ -8,7 +8,8 @@ from conftest import DECODE_TIMERS, PREFILL_TIMERS, prompt
 from kvpush.demo.cluster import free_port
 from kvpush.demo.servers import MODEL_NAME
 
-pytestmark = pytest.mark.vllm
+# Servers take minutes to start on 2 cores; the first test pays for the session.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")

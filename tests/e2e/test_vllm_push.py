@@ -18,7 +18,8 @@ from conftest import Client, prompt
 
 from kvpush.demo.servers import MODEL_NAME
 
-pytestmark = pytest.mark.vllm
+# Servers take minutes to start on 2 cores; the first test pays for the session.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 # 1 token to several 128-token blocks, including every block edge.
 LENGTHS = [1, 2, 5, 17, 64, 127, 128, 129, 200, 255, 256, 257, 300, 383, 384, 385, 450, 511,
