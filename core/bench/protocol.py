@@ -200,7 +200,15 @@ def run_point(mode: str, in_flight: int, settings: Settings) -> PointResult:
 def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: Any) -> PointResult:
     """The router: keeps `in_flight` requests outstanding, records done and ready."""
     total = in_flight * settings.requests_per_stream
-    issued, done_at, latencies, failed, verified = 0, {}, [], 0, True
+    issued, failed, verified = 0, 0, True
+    # Decode may report a transfer before prefill's "done" reaches us: pair them up.
+    done_at: dict[str, float] = {}
+    ready_at: dict[str, float] = {}
+    latencies: list[float] = []
+
+    def pair(tid: str) -> None:
+        if tid in done_at and tid in ready_at:
+            latencies.append(ready_at.pop(tid) - done_at.pop(tid))
 
     def issue() -> None:
         nonlocal issued
@@ -218,8 +226,7 @@ def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: A
     _wait_ready(p_conn, d_conn, mode, warm)
     for _ in range(in_flight):
         issue()
-    finished = 0
-    while finished < total:
+    while len(latencies) < total:
         for conn in mp.connection.wait([p_conn, d_conn], timeout=60):
             kind, payload = conn.recv()
             if kind == "done":
@@ -229,13 +236,12 @@ def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: A
                     d_conn.send(("decode", tid))
             elif kind == "ready":
                 tid, when, ok, outcome = payload
-                finished += 1
-                if outcome != "delivered":
-                    failed += 1
+                ready_at[tid] = when
+                failed += outcome != "delivered"
                 verified &= ok
-                latencies.append(when - done_at[tid])
                 if issued < total:
                     issue()
+            pair(tid)
     p_conn.send(("idle", settings.idle_seconds))
     d_conn.send(("idle", settings.idle_seconds))
     idle = {id(c): c.recv()[1] for c in (p_conn, d_conn)}

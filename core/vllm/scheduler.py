@@ -54,7 +54,7 @@ class SchedulerSide:
         self._sending: set[str] = set()  # delay-freed prefill requests
         self._consuming: dict[str, str] = {}  # decode request id -> transfer id
         self._local_hits: dict[str, int] = {}
-        self._announced: set[str] = set()
+        self._announced: dict[str, str] = {}  # decode request id -> transfer id
         self._rejected: dict[str, str] = {}
         self._next = KVPushMetadata()
         self._ranks: dict[int, KVPushHandshake] = {}
@@ -120,8 +120,8 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        if tid not in self._announced:
-            self._announced.add(tid)
+        if request.request_id not in self._announced:
+            self._announced[request.request_id] = tid
             self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
         return count, True
 
@@ -140,7 +140,7 @@ class SchedulerSide:
         last = -(-(local + num_external_tokens) // self.block_size)
         block_ids = blocks.get_block_ids()[0][first:last]
         tid = params["transfer_id"]
-        self._announced.discard(tid)
+        self._announced.pop(request_id, None)
         self._consuming[request_id] = tid
         producers = tuple(params["remote_addresses"])
         self._next.expects.append(Expect(request_id, tid, producers, tuple(block_ids), first))
@@ -168,6 +168,10 @@ class SchedulerSide:
             # Finished before its KV arrived (aborted): the worker settles the transfer
             # and reports it, and vLLM keeps the blocks until then.
             self._next.aborts.append(tid)
+        announced = self._announced.pop(request_id, None)
+        if announced is not None:
+            # Aborted while queued: stop keeping the producer's KV alive for it.
+            self._next.aborts.append(announced)
         self._local_hits.pop(request_id, None)
         self._rejected.pop(request_id, None)
         return False, None

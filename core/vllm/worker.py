@@ -146,7 +146,9 @@ class WorkerSide:
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) request ids."""
-        self._finished |= finished_req_ids
+        # Only prefill requests whose KV we still hold, or have released, matter.
+        senders = set(self._sender_of.values()) | self._released
+        self._finished |= finished_req_ids & senders
         if self.node is not None:
             for outcome in self.node.take_results():
                 self._account(outcome)
