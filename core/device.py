@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from kvpush.errors import BackendError
 from kvpush.layout import KVLayout
 
 TRANSFER_PATHS = ("direct", "staged")
@@ -70,3 +71,23 @@ class Swappable(Generic[T]):
     def set(self, value: T | None) -> T | None:
         previous, self._value = self._value, value
         return previous
+
+
+def claimed_device(
+    devices: Mapping[str, int | None], kind: str, scope: str = "one device"
+) -> int | None:
+    """The one device index all KV tensors share; None when none is on `kind`.
+
+    `devices` maps tensor name to its index on `kind`, or None when the tensor lives
+    elsewhere. A worker whose KV straddles devices is refused: NIXL registers one
+    device per agent.
+    """
+    if all(index is None for index in devices.values()):
+        return None
+    strays = sorted(name for name, index in devices.items() if index is None)
+    if strays:
+        raise BackendError(f"KV tensors {strays} are not on a {kind} device but the others are")
+    indices = sorted(set(devices.values()))
+    if len(indices) != 1:
+        raise BackendError(f"a worker's KV must live on {scope}; got devices {indices}")
+    return indices[0]

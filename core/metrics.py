@@ -70,7 +70,10 @@ class Metrics:
 
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
-            self._histograms.setdefault(name, Histogram()).observe(seconds)
+            histogram = self._histograms.get(name)
+            if histogram is None:
+                histogram = self._histograms[name] = Histogram()
+            histogram.observe(seconds)
 
     def counter(self, name: str, **labels: str) -> float:
         key = tuple(sorted(labels.items()))

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.device import BackendInfo, DeviceKV, Probe
-from kvpush.errors import BackendError, ConfigError
+from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
+from kvpush.errors import ConfigError
 from kvpush.hookspecs import hookimpl
 from kvpush.host_backend import torch_view
 from kvpush.layout import layout_from_views
@@ -82,16 +82,9 @@ def kvpush_describe_kv(
 ) -> DeviceKV | None:
     runtime = get_runtime()
     devices = {name: runtime.device_index(t) for name, t in tensors.items()}
-    if all(index is None for index in devices.values()):
+    index = claimed_device(devices, "CUDA", "one GPU")
+    if index is None:
         return None
-    strays = sorted(name for name, index in devices.items() if index is None)
-    if strays:
-        raise BackendError(f"KV tensors {strays} are not on a CUDA device but the others are")
-    if len(set(devices.values())) != 1:
-        raise BackendError(
-            f"a worker's KV must live on one GPU; got devices {sorted(set(devices.values()))}"
-        )
-    index = next(iter(devices.values()))
     dims = tuple(config.get("dims") or dims)
     tokens = int(config.get("tokens_per_block", 0))
     # NIXL must see the memory as it lies; the strides say how (permuted caches included).

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.device import BackendInfo, DeviceKV, Probe
+from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
 from kvpush.errors import BackendError, ConfigError
 from kvpush.hookspecs import hookimpl
 from kvpush.host_backend import torch_view
@@ -148,18 +148,12 @@ def kvpush_describe_kv(
 ) -> DeviceKV | None:
     runtime = get_runtime()
     devices = {name: runtime.device_index(t) for name, t in tensors.items()}
-    if all(index is None for index in devices.values()):
+    scope = "one NeuronCore (one visible core per process)"
+    index = claimed_device(devices, "Neuron", scope)
+    if index is None:
         return None
-    strays = sorted(name for name, index in devices.items() if index is None)
-    if strays:
-        raise BackendError(f"KV tensors {strays} are not on a Neuron device but the others are")
-    if len(set(devices.values())) != 1:
-        raise BackendError(
-            "a worker's KV must live on one NeuronCore (one visible core per process); "
-            f"got devices {sorted(set(devices.values()))}"
-        )
     first = next(iter(tensors.values()))
-    index, legacy = next(iter(devices.values())), runtime.is_legacy(first)
+    legacy = runtime.is_legacy(first)
     dims = _neuron_dims(config, dims, len(first.shape))
     tokens = int(config.get("tokens_per_block", 0))
     mode = staging_mode(config)

@@ -179,6 +179,39 @@ def decode_notif(notif: bytes) -> tuple[str, float] | None:
     return transfer_id, wall
 
 
+# One NIXL WRITE may carry the last layers of several transfers to the same consumer
+# (a batch that one forward pass computed); its notification then bundles theirs.
+BATCH_NOTIF_PREFIX = b"kvpush+:"
+MAX_NOTIFS_PER_BATCH = 1024
+
+
+def join_notifs(notifs: list[bytes]) -> bytes:
+    """One notification standing for all of `notifs` (b"" for none, itself for one)."""
+    if len(notifs) <= 1:
+        return notifs[0] if notifs else b""
+    if len(notifs) > MAX_NOTIFS_PER_BATCH:
+        raise ProtocolError(
+            f"{len(notifs)} notifications in one batch (at most {MAX_NOTIFS_PER_BATCH})"
+        )
+    return BATCH_NOTIF_PREFIX + msgspec.msgpack.encode(notifs)
+
+
+def split_notifs(notif: bytes) -> list[bytes]:
+    """The notifications a (possibly batched) one stands for.
+
+    A malformed batch comes back whole, for decode_notif to refuse and count.
+    """
+    if not notif.startswith(BATCH_NOTIF_PREFIX):
+        return [notif]
+    try:
+        parts = msgspec.msgpack.decode(notif[len(BATCH_NOTIF_PREFIX) :], type=list[bytes])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return [notif]
+    if not parts or len(parts) > MAX_NOTIFS_PER_BATCH:
+        return [notif]
+    return parts
+
+
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 

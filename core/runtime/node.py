@@ -17,9 +17,11 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvpush.device import DeviceKV
 from kvpush.errors import KVPushError, ProtocolError, TransportError
@@ -31,7 +33,7 @@ from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
 from kvpush.protocol.handshake import pairing_problem
-from kvpush.protocol.messages import Hello, Identity, Message, Reject
+from kvpush.protocol.messages import Hello, Identity, Message, Reject, join_notifs, split_notifs
 from kvpush.protocol.producer import Producer
 from kvpush.transport.agent import AgentConfig, NixlAgent, PreparedList, Transfer
 from kvpush.transport.channel import Connection, Listener, connect
@@ -40,6 +42,8 @@ from kvpush.transport.loop import Loop, TimerHandle
 log = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both")
+# A batched WRITE's notification lists every transfer it ends: keep it small.
+MAX_WRITES_PER_POST = 64
 
 
 @dataclass(frozen=True)
@@ -95,12 +99,34 @@ class _Link:
     remote_list: PreparedList | None = None
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One kvpush transfer's rows in a NIXL transfer."""
+
+    transfer_id: str
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+    nbytes: int
+    notif: bytes
+
+
 @dataclass
 class _InFlight:
+    """One NIXL transfer and the kvpush transfers it carries, with their bytes.
+
+    A READ carries one; a WRITE carries every transfer one hand-off made ready for
+    the same consumer (a forward pass's batch), so a layer costs one post, not one
+    per request.
+    """
+
     transfer: Transfer
     posted: float
     deadline: float
-    blocks: list[int]
+    parts: list[tuple[str, int]]
+
+
+# Turns a settled NIXL transfer into the protocol machines' follow-up actions.
+Finisher = Callable[[_InFlight, bool, str, float], list[act.Action]]
 
 
 class Node:
@@ -126,8 +152,8 @@ class Node:
         self._agent_peers: dict[str, str] = {}  # NIXL agent name -> outgoing link peer id
         self._next_conn = 0
         self._local_tables: dict[bool, tuple[BlockTable, PreparedList]] = {}
-        self._writes: dict[str, _InFlight] = {}
-        self._reads: dict[str, _InFlight] = {}
+        self._writes: list[_InFlight] = []
+        self._reads: list[_InFlight] = []
         self._fences: dict[str, dict[int, Any]] = {}  # transfer -> layers ready -> fence
         self._expected: dict[str, tuple[list[int], float]] = {}
         self._timer: TimerHandle | None = None
@@ -239,13 +265,15 @@ class Node:
 
         def run() -> None:
             now = time.monotonic()
+            actions: list[act.Action] = []
             for transfer_id, blocks in batch:
                 if transfer_id not in self._fences:
                     self.metrics.inc("transfers_started", role="producer")
                     self._fences[transfer_id] = {}
                 if fence is not None:
                     self._fences[transfer_id][upto] = fence
-                self._run(self.producer.kv_ready(transfer_id, blocks, now, wall, upto))
+                actions += self.producer.kv_ready(transfer_id, blocks, now, wall, upto)
+            self._run(actions)  # together, so their WRITEs share NIXL posts
 
         self.loop.call_soon(run)
 
@@ -448,17 +476,23 @@ class Node:
             log.debug("kvpush: removing NIXL peer %s: %s", agent_peer, exc)
 
     def _busy_with(self, agent_peer: str) -> bool:
-        flights = [*self._writes.values(), *self._reads.values()]
+        flights = [*self._writes, *self._reads]
         return any(f.transfer.peer == agent_peer for f in flights)
 
     # -- actions (loop thread) ---------------------------------------------------------
 
     def _run(self, actions: list[act.Action]) -> None:
+        writes: list[act.PostWrite] = []
         for action in actions:
+            if isinstance(action, act.PostWrite):
+                writes.append(action)  # posted last, together
+                continue
             try:
                 self._do(action)
             except KVPushError as exc:
                 log.error("kvpush: %s failed: %s", type(action).__name__, exc)
+        if writes:
+            self._post_writes(writes)
         self._reschedule()
 
     def _do(self, action: act.Action) -> None:
@@ -469,8 +503,6 @@ class Node:
                 self._send(link, action.message)
         elif isinstance(action, act.Connect):
             self._connect(action.peer)
-        elif isinstance(action, act.PostWrite):
-            self._post_write(action, now)
         elif isinstance(action, act.PostRead):
             self._post_read(action, now)
         elif isinstance(action, act.ExposeBlocks):
@@ -490,56 +522,99 @@ class Node:
         elif isinstance(action, act.Counted):
             self.metrics.inc(action.name, **action.labels)
 
-    def _post_write(self, action: act.PostWrite, now: float) -> None:
-        link = self._links.get(action.peer)
+    def _post_writes(self, writes: list[act.PostWrite]) -> None:
+        """Post WRITEs: one NIXL transfer per consumer for all of them (up to a cap)."""
+        now = time.monotonic()
+        by_peer: dict[str, list[act.PostWrite]] = {}
+        for write in writes:
+            by_peer.setdefault(write.peer, []).append(write)
+        actions: list[act.Action] = []
+        for peer, group in by_peer.items():
+            for start in range(0, len(group), MAX_WRITES_PER_POST):
+                actions += self._post_write_group(
+                    peer, group[start : start + MAX_WRITES_PER_POST], now
+                )
+        if actions:
+            self._run(actions)
+
+    def _post_write_group(
+        self, peer: str, group: list[act.PostWrite], now: float
+    ) -> list[act.Action]:
+        """Fence and stage each WRITE's source, then post them as one; a WRITE that
+        cannot go fails alone, the rest still go."""
+        link = self._links.get(peer)
+        actions: list[act.Action] = []
+        parts: list[_Part] = []
+        for write in group:
+            try:
+                if link is None or not link.ready:
+                    raise TransportError("WRITE", "the consumer's session is gone", peer)
+                self._wait_fences(write.transfer_id, write.layers[1])
+                self.backends.stage(self.kv, write.src_blocks, "to_host")
+                parts.append(self._part(link, write.transfer_id, write.src_blocks,
+                                        write.dst_blocks, write.layers, write.notif))  # fmt: skip
+            except KVPushError as exc:
+                actions += self.producer.on_write_done(write.transfer_id, False, now, str(exc))
+        if not parts:
+            return actions
+        assert link is not None
         try:
-            if link is None or not link.ready:
-                raise TransportError("WRITE", "the consumer's session is gone", action.peer)
-            self._wait_fences(action.transfer_id, action.layers[1])
-            self.backends.stage(self.kv, action.src_blocks, "to_host")
-            self._post(self._writes, "WRITE", link, action.transfer_id, action.src_blocks,
-                       action.dst_blocks, action.notif, now, action.layers)  # fmt: skip
+            flight = self._post(self._writes, "WRITE", link, parts, now)
         except KVPushError as exc:
-            self._run(self.producer.on_write_done(action.transfer_id, False, now, str(exc)))
-            return
-        self._settle_if_finished(self._writes, action.transfer_id, self._write_finished)
+            for part in parts:
+                actions += self.producer.on_write_done(part.transfer_id, False, now, str(exc))
+            return actions
+        return actions + self._settle_if_finished(self._writes, flight, self._write_finished)
 
     def _post_read(self, action: act.PostRead, now: float) -> None:
         link = self._links.get(action.peer)
         try:
             if link is None or not link.ready:
                 raise TransportError("READ", "the producer's session is gone", action.peer)
-            self._post(self._reads, "READ", link, action.transfer_id, action.local_blocks,
-                       action.remote_blocks, b"", now)  # fmt: skip
+            part = self._part(link, action.transfer_id, action.local_blocks,
+                              action.remote_blocks, None, b"")  # fmt: skip
+            flight = self._post(self._reads, "READ", link, [part], now)
         except KVPushError as exc:
             self._run(self.consumer.on_read_done(action.transfer_id, False, now, str(exc)))
             return
-        self._settle_if_finished(self._reads, action.transfer_id, self._read_finished)
+        self._run(self._settle_if_finished(self._reads, flight, self._read_finished))
 
-    def _post(
+    def _part(
         self,
-        table: dict[str, _InFlight],
-        op: str,
         link: _Link,
         transfer_id: str,
         local_blocks: list[int],
         remote_blocks: list[int],
+        layers: tuple[int, int] | None,
         notif: bytes,
-        now: float,
-        layers: tuple[int, int] | None = None,
-    ) -> None:
-        assert self.agent is not None and link.remote_table and link.remote_list
-        local_table, local_list = self._local(link.split)
+    ) -> _Part:
+        """One transfer's share of a NIXL transfer: its rows on both sides."""
+        assert link.remote_table is not None
+        local_table, _ = self._local(link.split)
         local_ids = local_table.ids(local_blocks, layers)
         remote_ids = link.remote_table.ids(remote_blocks, layers)
         nbytes = int(local_table.rows[local_ids, 1].sum())
+        return _Part(transfer_id, local_ids, remote_ids, nbytes, notif)
+
+    def _post(
+        self, table: list[_InFlight], op: str, link: _Link, parts: list[_Part], now: float
+    ) -> _InFlight:
+        assert self.agent is not None and link.remote_list is not None
+        _, local_list = self._local(link.split)
+        local_ids = np.concatenate([part.local_ids for part in parts])
+        remote_ids = np.concatenate([part.remote_ids for part in parts])
+        notif = join_notifs([part.notif for part in parts if part.notif])
+        nbytes = sum(part.nbytes for part in parts)
         started = time.perf_counter()
         transfer = self.agent.post(
             op, local_list, local_ids, link.remote_list, remote_ids, notif, nbytes
         )
         self.metrics.observe("post_seconds", time.perf_counter() - started)
         deadline = now + self.config.protocol.write_grace_s
-        table[transfer_id] = _InFlight(transfer, time.monotonic(), deadline, local_blocks)
+        sizes = [(part.transfer_id, part.nbytes) for part in parts]
+        flight = _InFlight(transfer, time.monotonic(), deadline, sizes)
+        table.append(flight)
+        return flight
 
     def _wait_fences(self, transfer_id: str, upto: int) -> None:
         """Wait on the fence of every layer the WRITE reads.
@@ -602,43 +677,52 @@ class Node:
             if peer is None:
                 self.metrics.inc("rejected_notifs", why="unknown_agent")
                 continue
-            self._run(self.consumer.on_notif(peer, message, now))
+            actions: list[act.Action] = []
+            for notif in split_notifs(message):
+                actions += self.consumer.on_notif(peer, notif, now)
+            self._run(actions)
         return progressed or bool(notifs)
 
-    def _settle_if_finished(self, table: dict[str, _InFlight], tid: str, finished: Any) -> None:
+    def _settle_if_finished(
+        self, table: list[_InFlight], flight: _InFlight, finished: Finisher
+    ) -> list[act.Action]:
         """A transfer that completed inside its posting call ends now, not at the next poll."""
-        flight = table.get(tid)
-        if flight is not None and flight.transfer.finished:
-            del table[tid]
-            self._succeeded(tid, flight, time.monotonic(), finished)
+        if not flight.transfer.finished:
+            return []
+        table.remove(flight)
+        return self._succeeded(flight, time.monotonic(), finished)
 
-    def _succeeded(self, tid: str, flight: _InFlight, now: float, finished: Any) -> None:
+    def _succeeded(self, flight: _InFlight, now: float, finished: Finisher) -> list[act.Action]:
         assert self.agent is not None
         self.agent.release(flight.transfer)
         self.metrics.observe("transfer_seconds", now - flight.posted)
         self.metrics.inc("bytes_moved", flight.transfer.nbytes, op=flight.transfer.op)
-        finished(tid, flight, True, "", now)
+        return finished(flight, True, "", now)
 
-    def _check_transfers(self, table: dict[str, _InFlight], now: float, finished: Any) -> bool:
+    def _check_transfers(self, table: list[_InFlight], now: float, finished: Finisher) -> bool:
+        """Settle every finished, failed or overdue transfer; their follow-ups run together."""
         assert self.agent is not None
+        actions: list[act.Action] = []
         progressed = False
-        for transfer_id, flight in list(table.items()):
+        for flight in list(table):
             try:
                 done = self.agent.done(flight.transfer)
             except TransportError as exc:
-                del table[transfer_id]
-                finished(transfer_id, flight, False, str(exc), now)
+                table.remove(flight)
+                actions += finished(flight, False, str(exc), now)
                 progressed = True
                 continue
             if done:
-                del table[transfer_id]
-                self._succeeded(transfer_id, flight, now, finished)
+                table.remove(flight)
+                actions += self._succeeded(flight, now, finished)
                 progressed = True
             elif now > flight.deadline:
-                del table[transfer_id]
+                table.remove(flight)
                 self._abandon(flight.transfer)
-                finished(transfer_id, flight, False, "timed out", now)
+                actions += finished(flight, False, "timed out", now)
                 progressed = True
+        if progressed:
+            self._run(actions)
         return progressed
 
     def _abandon(self, transfer: Transfer) -> None:
@@ -650,15 +734,22 @@ class Node:
             log.warning("kvpush: aborting a stuck %s: %s", transfer.op, exc)
 
     def _write_finished(
-        self, tid: str, flight: _InFlight, ok: bool, detail: str, now: float
-    ) -> None:
-        nbytes = flight.transfer.nbytes if ok else 0
-        self._run(self.producer.on_write_done(tid, ok, now, detail, nbytes))
+        self, flight: _InFlight, ok: bool, detail: str, now: float
+    ) -> list[act.Action]:
+        actions: list[act.Action] = []
+        for transfer_id, nbytes in flight.parts:
+            actions += self.producer.on_write_done(
+                transfer_id, ok, now, detail, nbytes if ok else 0
+            )
+        return actions
 
     def _read_finished(
-        self, tid: str, flight: _InFlight, ok: bool, detail: str, now: float
-    ) -> None:
-        self._run(self.consumer.on_read_done(tid, ok, now, detail))
+        self, flight: _InFlight, ok: bool, detail: str, now: float
+    ) -> list[act.Action]:
+        actions: list[act.Action] = []
+        for transfer_id, _ in flight.parts:
+            actions += self.consumer.on_read_done(transfer_id, ok, now, detail)
+        return actions
 
     def _reschedule(self) -> None:
         deadlines = [d for d in (self.producer.next_deadline(), self.consumer.next_deadline()) if d]

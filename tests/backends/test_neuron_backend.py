@@ -132,6 +132,16 @@ def test_generic_dims_that_do_not_fit_are_read_as_neuron_layout(fake_neuron, bac
     assert [r.part for r in kv.layout.layers[0]] == ["K", "V"]
 
 
+def test_kv_half_in_hbm_and_half_on_the_host_is_refused_by_name(fake_neuron, backends):
+    _, tensors, _ = _direct(fake_neuron, backends)
+    tensors["layer.host"] = torch.zeros(2, NB, H, T, D)
+    # Whichever backend looks first refuses the mix, naming what does not fit.
+    with pytest.raises(
+        BackendError, match=r"\['layer\.(0|1|host)'.*are not (in host memory|on a Neuron device)"
+    ):
+        backends.describe(tensors, NEURON_KV_DIMS)
+
+
 def test_without_hbm_mapping_data_ptr_is_zero_and_kv_is_staged(fake_neuron, backends, caplog):
     fake = fake_neuron()
     backends.prepare_process("neuron", 0, {"staging": "host"})  # so no mapping

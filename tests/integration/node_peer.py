@@ -129,6 +129,19 @@ class NodePeer:
         self.node.kv_ready(tid, blocks, fence, layers=upto)
         return {}
 
+    def kv_ready_batch(self, items: list[list]) -> dict:
+        """A forward pass's batch: compute every (tid, blocks, value) in `items`, then
+        report them all in one call, as the connector does after a layer."""
+        for _, blocks, value in items:
+            for name in self.tensors:
+                self.tensors[name][blocks] = value
+        self.node.kv_ready_many([(tid, blocks) for tid, blocks, _ in items])
+        return {}
+
+    def registered(self) -> dict:
+        """How many transfers the producer knows of (registered or computed)."""
+        return {"count": self.node.loop.call(self.node.producer.active)}
+
     def kv_ready_pattern(self, tid: str, blocks: list[int], seed: int, fence: bool = True) -> dict:
         """Fake devices: compute each layer of `blocks` (kv_devices.pattern bytes) and say
         so layer by layer, each with its own fence (or none, to show what that sends)."""
@@ -168,7 +181,9 @@ class NodePeer:
 
     def stats(self) -> dict:
         stats = self.node.stats()
-        stats["metrics"] = self.node.metrics.snapshot()["counters"]
+        snapshot = self.node.metrics.snapshot()
+        stats["metrics"] = snapshot["counters"]
+        stats["nixl_posts"] = snapshot["histograms"].get("post_seconds", {}).get("count", 0)
         return stats
 
     def hold_fence(self) -> dict:

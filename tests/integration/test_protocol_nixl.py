@@ -91,6 +91,34 @@ def test_layers_cross_as_they_are_computed(spawn):
     assert metrics["bytes_moved"]["op=WRITE"] == 4 * 2 * 4096
 
 
+def test_a_batch_ready_together_goes_in_one_nixl_write_and_each_lands(spawn):
+    producer = spawn("producer", "prefill", layers=3)
+    consumer = spawn("consumer", "decode", layers=3)
+    batch = {"t1": ([0, 1], [9, 4], 0x11), "t2": ([2], [7], 0x22), "t3": ([3, 5], [1, 2], 0x33)}
+    for tid, (_, destinations, _) in batch.items():
+        consumer.call("expect", tid=tid, producer=producer.address, blocks=destinations)
+    deadline = time.monotonic() + 10
+    while producer.call("registered")["count"] < len(batch):
+        assert time.monotonic() < deadline, "registrations did not reach the producer"
+        time.sleep(0.02)
+    items = [[tid, sources, value] for tid, (sources, _, value) in batch.items()]
+    producer.call("kv_ready_batch", items=items)
+    delivered = consumer.call("results", count=3, seconds=15, timeout=45)["outcomes"]
+    assert sorted((o["kind"], o["transfer_id"]) for o in delivered) == [
+        ("delivered", tid) for tid in batch
+    ]
+    released = producer.call("results", count=3, seconds=15, timeout=45)["outcomes"]
+    assert sorted(o["reason"] for o in released) == ["sent"] * 3
+    # One post carried all three; its notification ended each transfer.
+    assert producer.call("stats")["nixl_posts"] == 1
+    expected = {block: value for _, destinations, value in batch.values() for block in destinations}
+    for layer in _values(consumer):
+        for block, values in enumerate(layer):
+            assert values == [expected.get(block, 0)], block
+    _quiet(producer)
+    _quiet(consumer)
+
+
 def test_write_that_fails_to_post_fails_the_consumer_at_once(spawn):
     producer = spawn("producer", "prefill")
     consumer = spawn("consumer", "decode")

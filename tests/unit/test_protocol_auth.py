@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from protocol_sim import hello as make_hello
 
@@ -126,3 +127,19 @@ def test_secret_comes_from_config_or_environment(monkeypatch):
     assert load_secret() == b""
     with pytest.raises(ConfigError, match="KVPUSH_SECRET"):
         load_secret(required=True)
+
+
+def test_a_batched_notification_splits_back_and_a_malformed_one_is_refused():
+    one, two = m.encode_notif("t1", 1.0), m.encode_notif("t2", 2.0)
+    assert m.join_notifs([]) == b"" and m.join_notifs([one]) == one
+    batch = m.join_notifs([one, two])
+    assert [m.decode_notif(n) for n in m.split_notifs(batch)] == [("t1", 1.0), ("t2", 2.0)]
+    assert m.split_notifs(one) == [one]
+    empty = m.BATCH_NOTIF_PREFIX + msgspec.msgpack.encode([])
+    too_many = m.BATCH_NOTIF_PREFIX + msgspec.msgpack.encode([one] * (m.MAX_NOTIFS_PER_BATCH + 1))
+    for malformed in (batch[:-3], m.BATCH_NOTIF_PREFIX + b"\xc1", empty, too_many):
+        # Handed back whole, for decode_notif to refuse (and the Node to count).
+        assert m.split_notifs(malformed) == [malformed]
+        assert m.decode_notif(malformed) is None
+    with pytest.raises(ProtocolError, match="notifications in one batch"):
+        m.join_notifs([one] * (m.MAX_NOTIFS_PER_BATCH + 1))
