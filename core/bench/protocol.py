@@ -17,19 +17,18 @@ transferred byte. Identical Node code runs both modes; only the protocol differs
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import random
 import statistics
-import sys
 import time
 import zlib
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvpush.bench.report import Report
 from kvpush.plugins import get_backends
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.runtime.node import Node, NodeConfig
@@ -295,27 +294,15 @@ def _median_of(runs: list[PointResult]) -> PointResult:
 
 
 def main(points: tuple[int, ...], settings: Settings, as_json: bool, repeat: int = 1) -> int:
-    progress = sys.stderr.isatty()
-    results = []
+    report = Report(as_json)
     for in_flight in points:
         for mode in ("push", "pull"):
             runs = []
             for attempt in range(repeat):
-                if progress:
-                    print(
-                        f"\r{mode} x{in_flight} ({attempt + 1}/{repeat}) ...",
-                        end="",
-                        file=sys.stderr,
-                    )
+                report.step(f"{mode} x{in_flight} ({attempt + 1}/{repeat})")
                 runs.append(run_point(mode, in_flight, settings))
-            result = _median_of(runs)
-            results.append(result)
-            if as_json:
-                print(json.dumps(asdict(result)), flush=True)
-    if progress:
-        print("\r" + " " * 30 + "\r", end="", file=sys.stderr)
-    if not as_json:
-        _print_table(results)
+            report.add(_median_of(runs))
+    results = report.finish(_print_table)
     return 0 if all(r.verified and not r.failed for r in results) else 1
 
 

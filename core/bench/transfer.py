@@ -12,18 +12,17 @@ The receiver runs kvpush's loop exactly as the connector does, so its idle CPU
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from kvpush.bench.report import Report
 from kvpush.layout import BlockTable, KVLayout
 from kvpush.plugins import get_backends
 from kvpush.transport.agent import AgentConfig, NixlAgent
@@ -282,19 +281,11 @@ def run_size(total_bytes: int, runs: int, idle_seconds: float) -> SizeResult:
 
 
 def main(sizes_mib: tuple[float, ...], runs: int, idle_seconds: float, as_json: bool) -> int:
-    progress = sys.stderr.isatty()
-    results = []
+    report = Report(as_json)
     for i, size in enumerate(sizes_mib):
-        if progress:
-            print(f"\r[{i + 1}/{len(sizes_mib)}] {size:g} MiB ...", end="", file=sys.stderr)
-        result = run_size(int(size * MiB), runs, idle_seconds)
-        results.append(result)
-        if as_json:
-            print(json.dumps(asdict(result)), flush=True)
-    if progress:
-        print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
-    if not as_json:
-        _print_table(results)
+        report.step(f"[{i + 1}/{len(sizes_mib)}] {size:g} MiB")
+        report.add(run_size(int(size * MiB), runs, idle_seconds))
+    results = report.finish(_print_table)
     return 0 if all(r.verified for r in results) else 1
 
 
