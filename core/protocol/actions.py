@@ -79,6 +79,7 @@ class ReleaseBlocks:
 
     transfer_id: str
     outcome: str  # "sent" or a failure reason
+    nbytes: int = 0  # what WRITEs delivered to the consumer (push)
 
 
 @dataclass(frozen=True)

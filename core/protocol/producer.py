@@ -463,7 +463,7 @@ class Producer:
         if transfer.kv_blocks is not None:
             if not transfer.final:
                 self._released.add(tid)  # more layer reports will come: ignore them
-            actions.append(ReleaseBlocks(tid, outcome))
+            actions.append(ReleaseBlocks(tid, outcome, transfer.nbytes))
         return actions
 
     def _tombstone(self, transfer_id: str, why: str, now: float) -> None:

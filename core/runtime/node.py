@@ -518,7 +518,9 @@ class Node:
         elif isinstance(action, act.ReleaseBlocks):
             self._fences.pop(action.transfer_id, None)
             self.metrics.inc("blocks_released", outcome=action.outcome)
-            self._publish(Outcome("released", action.transfer_id, action.outcome))
+            self._publish(
+                Outcome("released", action.transfer_id, action.outcome, nbytes=action.nbytes)
+            )
         elif isinstance(action, act.Counted):
             self.metrics.inc(action.name, **action.labels)
 

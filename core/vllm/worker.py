@@ -167,6 +167,7 @@ class WorkerSide:
             if request_id is not None:
                 self._released.add(request_id)
                 self._stats.data["released"] += 1
+                self._stats.data["bytes"] += outcome.nbytes  # sent, on a producer
             return
         request_id = self._receiver_of.pop(tid, None)
         if request_id is None:

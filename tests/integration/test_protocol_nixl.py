@@ -86,7 +86,8 @@ def test_layers_cross_as_they_are_computed(spawn):
     assert _one(consumer)["kind"] == "delivered"
     for layer in _values(consumer):
         assert layer[8] == [0x51] and layer[9] == [0x51]
-    assert _one(producer)["reason"] == "sent"
+    released = _one(producer)
+    assert (released["reason"], released["nbytes"]) == ("sent", 4 * 2 * 4096)
     metrics = producer.call("stats")["metrics"]
     assert metrics["bytes_moved"]["op=WRITE"] == 4 * 2 * 4096
 
