@@ -59,7 +59,6 @@ class Delivered:
     """Consumer: the KV is in the transfer's blocks; the request may proceed."""
 
     transfer_id: str
-    nbytes: int = 0
     kv_ready_wall: float = 0.0
 
 

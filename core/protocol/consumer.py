@@ -433,7 +433,7 @@ class Consumer:
         complete = transfer.complete
         self._forget(transfer)
         wall = complete.kv_ready_wall if complete else transfer.kv_ready_wall
-        return [Delivered(transfer.transfer_id, complete.nbytes if complete else 0, wall)]
+        return [Delivered(transfer.transfer_id, wall)]
 
     def _fail(self, transfer: _Transfer, reason: str, detail: str = "") -> list[Action]:
         self._forget(transfer)

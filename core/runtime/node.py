@@ -646,7 +646,11 @@ class Node:
             self.metrics.observe(
                 "done_to_ready_seconds", max(0.0, time.time() - action.kv_ready_wall)
             )
-        self._publish(Outcome("delivered", action.transfer_id, nbytes=action.nbytes))
+        # Counted from our own layout: the notification that delivers a push transfer
+        # often beats the Complete message that carries the producer's count.
+        table, _ = self._local(False)
+        nbytes = int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
+        self._publish(Outcome("delivered", action.transfer_id, nbytes=nbytes))
 
     def _publish(self, outcome: Outcome) -> None:
         with self._results_ready:

@@ -83,7 +83,8 @@ def test_layers_cross_as_they_are_computed(spawn):
     partial = _values(consumer)
     assert [layer[8] for layer in partial] == [[0x51], [0x51], [0x51], [0]]
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x51, layers=[3])
-    assert _one(consumer)["kind"] == "delivered"
+    delivered = _one(consumer)
+    assert (delivered["kind"], delivered["nbytes"]) == ("delivered", 4 * 2 * 4096)
     for layer in _values(consumer):
         assert layer[8] == [0x51] and layer[9] == [0x51]
     released = _one(producer)
