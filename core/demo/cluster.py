@@ -5,6 +5,7 @@ end-to-end tests alike.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -131,7 +132,9 @@ class Cluster:
                 router.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(router.pid, signal.SIGKILL)
-                router.wait(10)
+                # Dead, if not yet reaped: cleanup goes on (a stalled machine can take long).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    router.wait(10)
 
     def stop(self) -> None:
         for name in list(self.routers):

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import Client, prompt
+from conftest import PREFILL_TIMERS, Client, perturbed_copy, prompt
 
 from kvpush.demo.servers import MODEL_NAME
 
@@ -69,8 +69,21 @@ def test_streaming_and_chat_equal_a_single_instance(cluster, router, client):
     assert models["data"][0]["id"] == MODEL_NAME
 
 
-def test_prefill_with_other_kv_weights_changes_decode_output(cluster, client):
-    router = cluster.start_router(["prefill_other_kv"], ["decode"], name="other")
+@pytest.fixture
+def other_kv_router(cluster):
+    """A router in front of a prefill whose K/V weights differ, and the same decode."""
+    wrong = perturbed_copy(cluster.model, cluster.workdir / "model-other-kv")
+    cluster.add_server("prefill_other_kv", "kv_both", core=0, model=wrong, **PREFILL_TIMERS)
+    try:
+        cluster.start("prefill_other_kv")
+        yield cluster.start_router(["prefill_other_kv"], ["decode"], name="other")
+    finally:
+        cluster.stop_router("other")
+        cluster.servers.pop("prefill_other_kv").stop()
+
+
+def test_prefill_with_other_kv_weights_changes_decode_output(cluster, other_kv_router, client):
+    router = other_kv_router
     single = cluster.servers["single"].url
     spanning = [129, 256, 300, 450, 600]
     # Fresh prompts: decode must not hold their prefix in its own cache already.
@@ -82,7 +95,6 @@ def test_prefill_with_other_kv_weights_changes_decode_output(cluster, client):
     assert changed == spanning, (
         f"decode ignored the pushed KV for lengths {set(spanning) - set(changed)}"
     )
-    cluster.stop_router("other")
 
 
 def test_32_concurrent_requests_all_correct_and_nothing_leaks(cluster, router, client):
