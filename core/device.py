@@ -9,8 +9,6 @@ from typing import Any, Generic, TypeVar
 from kvpush.errors import BackendError
 from kvpush.layout import KVLayout
 
-TRANSFER_PATHS = ("direct", "staged")
-
 
 @dataclass(frozen=True)
 class BackendInfo:

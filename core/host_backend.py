@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.device import BackendInfo, DeviceKV, Probe
-from kvpush.errors import BackendError, RegionError
+from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
+from kvpush.errors import RegionError
 from kvpush.hookspecs import hookimpl
 from kvpush.layout import TensorView, layout_from_views
 
@@ -69,11 +69,8 @@ def kvpush_describe_kv(
     tensors: Mapping[str, Any], dims: Sequence[str], config: Mapping[str, Any]
 ) -> DeviceKV | None:
     views = {name: host_view(t) for name, t in tensors.items()}
-    if all(v is None for v in views.values()):
+    if claimed_device({n: None if v is None else 0 for n, v in views.items()}, "host") is None:
         return None
-    strays = [name for name, v in views.items() if v is None]
-    if strays:
-        raise BackendError(f"KV tensors {strays} are not in host memory but the others are")
     layout = layout_from_views(views, dims, int(config.get("tokens_per_block", 0)))
     # Keep the arrays alive as long as NIXL may touch their memory.
     return DeviceKV(NAME, "cpu", layout, "direct", state=dict(tensors))

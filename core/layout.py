@@ -188,7 +188,6 @@ class BlockTable:
 
     def __init__(self, layout: KVLayout, split: bool) -> None:
         self.layout = layout
-        self.split = split
         layout_units = units(layout, split)
         self.num_units = len(layout_units)
         nb = layout.num_blocks

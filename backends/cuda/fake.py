@@ -74,7 +74,6 @@ class FakeCuda:
         self.mem_type = mem_type
         self.pin_ok = pin_ok
         self.pinned: dict[int, int] = {}
-        self.events = 0
         self._allocations: list[torch.Tensor] = []
         self._queued: dict[int, list[tuple[Any, Any, Any]]] = {}
         self._landed: dict[int, int] = {}  # per device: how many queued writes have landed
@@ -124,7 +123,6 @@ class FakeCuda:
 
     def record_event(self, index: int) -> FakeEvent:
         with self._lock:
-            self.events += 1
             return FakeEvent(index, len(self._queued.get(index, [])))
 
     def wait_event(self, event: FakeEvent) -> None:

@@ -59,7 +59,6 @@ class NeuronFence:
 @dataclass
 class NeuronState:
     tensors: dict[str, Any]
-    index: int
     legacy: bool
     staging: HostStaging | None = None
     issued: int = 0
@@ -95,7 +94,7 @@ def kvpush_probe() -> Probe:
         NAME,
         True,
         f"{len(devices)} Neuron device(s) under /dev; "
-        f"{environment.MAP_HBM}={'1' if mapped else 'unset'} ({path})",
+        f"{environment.MAP_HBM}={os.environ.get(environment.MAP_HBM, 'unset')} ({path})",
     )
 
 
@@ -158,7 +157,7 @@ def kvpush_describe_kv(
     tokens = int(config.get("tokens_per_block", 0))
     mode = staging_mode(config)
     device = f"{first.device.type}:{index}"
-    state = NeuronState(dict(tensors), index, legacy)
+    state = NeuronState(dict(tensors), legacy)
     if mode != "host":
         views, why = _device_views(tensors, index, legacy, runtime.mem_type)
         if views is not None:

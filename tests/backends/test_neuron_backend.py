@@ -137,7 +137,7 @@ def test_kv_half_in_hbm_and_half_on_the_host_is_refused_by_name(fake_neuron, bac
     tensors["layer.host"] = torch.zeros(2, NB, H, T, D)
     # Whichever backend looks first refuses the mix, naming what does not fit.
     with pytest.raises(
-        BackendError, match=r"\['layer\.(0|1|host)'.*are not (in host memory|on a Neuron device)"
+        BackendError, match=r"\['layer\.(0|1|host)'.*are not (on a host device|on a Neuron device)"
     ):
         backends.describe(tensors, NEURON_KV_DIMS)
 
