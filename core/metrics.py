@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
 
 # Seconds: from tens of microseconds (a notification) to minutes (a lease).
+MAX_SAMPLES = 100_000  # kept per histogram for quantiles and readers
 TIME_BUCKETS = (
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -38,14 +39,13 @@ class Histogram:
         self.counts = [0] * (len(self.buckets) + 1)
         self.total = 0.0
         self.count = 0
-        self.samples: list[float] = []
+        self.samples: deque[float] = deque(maxlen=MAX_SAMPLES)  # the most recent
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
-        if len(self.samples) < 100_000:
-            self.samples.append(value)
+        self.samples.append(value)
 
     def quantile(self, q: float) -> float | None:
         if not self.samples:
@@ -81,6 +81,17 @@ class Metrics:
             if labels:
                 return self._counters.get(name, {}).get(key, 0.0)
             return sum(self._counters.get(name, {}).values())
+
+    def samples_since(self, name: str, seen: int) -> tuple[list[float], int]:
+        """Samples observed after the first `seen` (as many as are kept), and the new
+        count to pass next time: a reader's cursor that no concurrent observe can skip."""
+        with self._lock:
+            histogram = self._histograms.get(name)
+            if histogram is None:
+                return [], seen
+            fresh = min(histogram.count - seen, len(histogram.samples))
+            kept = list(histogram.samples)
+            return kept[len(kept) - fresh :] if fresh > 0 else [], histogram.count
 
     def histogram(self, name: str) -> Histogram:
         with self._lock:

@@ -124,10 +124,6 @@ class KVPushConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._work().end_step()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._work().results(finished_req_ids)
-        return sending or None, recving or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._work().results(finished_req_ids)
         return KVConnectorTransferResults(sending, recving, failed)

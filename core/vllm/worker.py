@@ -188,9 +188,10 @@ class WorkerSide:
     def stats(self) -> KVPushStats | None:
         if self.node is not None:
             metrics = self.node.metrics
-            samples = metrics.histogram("done_to_ready_seconds").samples
-            self._stats.data["done_to_ready_s"] += samples[self._samples_seen :]
-            self._samples_seen = len(samples)
+            fresh, self._samples_seen = metrics.samples_since(
+                "done_to_ready_seconds", self._samples_seen
+            )
+            self._stats.data["done_to_ready_s"] += fresh
             totals = {
                 "rejected_messages": metrics.counter("rejected_messages"),
                 "handshakes_refused": metrics.counter("handshakes", result="refused"),
