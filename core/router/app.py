@@ -158,7 +158,8 @@ class Router:
         decode: Instance,
     ) -> web.StreamResponse:
         transfer_id = new_transfer_id()
-        if prefill.identity is None and prefill.identity_url:
+        # Only push needs the identity up front; pull learns it from the prefill answer.
+        if self.config.mode == "push" and prefill.identity is None and prefill.identity_url:
             try:
                 await self._learn_identity(prefill)
             except LegError as exc:
@@ -194,7 +195,7 @@ class Router:
         try:
             done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
-                raise prefill_task.exception()  # the finally clause cancels the decode leg
+                raise prefill_task.exception()  # the handler below cancels the decode leg
             response = await relay
         except BaseException:
             for task in (prefill_task, relay):
