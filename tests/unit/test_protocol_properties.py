@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_sim import PRODUCER, Sim
@@ -130,7 +131,7 @@ def test_random_bytes_never_escape_as_foreign_exceptions(data):
     session = Session(b"secret", initiator=False)
     with contextlib.suppress(KVPushError):
         session.open(data)
-    assert session.peer_hello is None or isinstance(session.peer_hello, m.Hello)
+    assert session.peer_hello is None  # random bytes never carry a valid hello signature
 
 
 @settings(max_examples=200, deadline=None)
@@ -144,11 +145,8 @@ def test_mutated_frames_are_rejected_without_changing_the_session(data):
     flip = data.draw(st.integers(1, 255))
     mutated = frame[:position] + bytes([frame[position] ^ flip]) + frame[position + 1 :]
     before = server._seq_in
-    try:
+    # Every byte of a frame is signed or structural: no single flip may get through.
+    with pytest.raises(KVPushError):
         server.open(mutated)
-    except KVPushError:
-        assert server._seq_in == before
-    else:
-        # A flip inside msgpack padding can leave the frame equivalent; then it is genuine.
-        assert server._seq_in == before + 1
+    assert server._seq_in == before
     assert server.open(client.seal(m.Heartbeat(["t2"]))) == m.Heartbeat(["t2"])
