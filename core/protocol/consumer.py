@@ -76,6 +76,7 @@ class Consumer:
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._ended: dict[str, None] = {}  # insertion-ordered, bounded
+        self._held_cancels: dict[str, list[str]] = {}  # peer still connecting -> ids
         self._deadlines = Deadlines()
 
     # -- engine events ---------------------------------------------------------------
@@ -127,7 +128,11 @@ class Consumer:
         live = self._ready(transfer.peer)
         if transfer.state == "announced":
             self._forget(transfer)
-            return [cancel] if live else []
+            if not live:
+                # The producer may hold KV for it already: tell it once we can.
+                self._held_cancels.setdefault(transfer.peer, []).append(transfer_id)
+                return []
+            return [cancel]
         if transfer.state == "reading":
             transfer.cancel_reason = "aborted"  # our own READ ends it
             return []
@@ -142,7 +147,9 @@ class Consumer:
     def on_ready(self, peer: str, hello: Hello, now: float) -> list[Action]:
         """The handshake with the producer at `peer` completed."""
         self._peers[peer] = _Peer("ready", hello)
-        actions: list[Action] = []
+        actions: list[Action] = [
+            Send(peer, Cancel(tid, "aborted")) for tid in self._held_cancels.pop(peer, ())
+        ]
         waiting = [t for t in self._transfers.values() if t.peer == peer]
         announced = [t.transfer_id for t in waiting if t.state == "announced"]
         if announced:
@@ -155,6 +162,7 @@ class Consumer:
     def on_handshake_failed(self, peer: str, reason: str, now: float) -> list[Action]:
         """The session to `peer` could not be set up; nothing was claimed there."""
         self._peers.pop(peer, None)
+        self._held_cancels.pop(peer, None)
         actions: list[Action] = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
             if transfer.state == "announced":
@@ -166,6 +174,7 @@ class Consumer:
     def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
         """The side channel to the producer closed (it died, or the network did)."""
         self._peers.pop(peer, None)
+        self._held_cancels.pop(peer, None)
         actions: list[Action] = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
             if transfer.state == "announced":
@@ -313,7 +322,7 @@ class Consumer:
             )
         else:
             transfer.state = "requested"
-            message = PullRequest(transfer.transfer_id, len(transfer.blocks))
+            message = PullRequest(transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks)
         return [Send(transfer.peer, message)]
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:

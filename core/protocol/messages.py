@@ -15,7 +15,8 @@ import msgspec
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+# 2: PullRequest names the blocks the consumer holds already (skip_blocks).
+PROTOCOL_VERSION = 2
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
 MAX_TRANSFER_ID = 256
@@ -84,10 +85,15 @@ class Register(msgspec.Struct, tag="register", frozen=True):
 
 
 class PullRequest(msgspec.Struct, tag="pull_request", frozen=True):
-    """Pull: the consumer asks for a transfer's source blocks and a read lease."""
+    """Pull: the consumer asks for a transfer's source blocks and a read lease.
+
+    It wants `num_blocks` blocks after the first `skip_blocks`, which it holds
+    already (prefix cache).
+    """
 
     transfer_id: str
     num_blocks: int
+    skip_blocks: int = 0
 
 
 class Grant(msgspec.Struct, tag="grant", frozen=True):
@@ -245,7 +251,7 @@ def check(message: Message) -> None:
             raise ProtocolError("hello nonce is too short")
     if isinstance(message, Register | Grant):
         check_block_lists(message.block_ids)
-    if isinstance(message, Register) and message.skip_blocks < 0:
+    if isinstance(message, (Register, PullRequest)) and message.skip_blocks < 0:
         raise ProtocolError(f"skip_blocks must be >= 0, got {message.skip_blocks}")
     if isinstance(message, Heartbeat):
         for tid in message.transfer_ids:

@@ -67,7 +67,7 @@ class _Transfer:
     in_engine: bool = False  # the engine holds the request (queued or computing)
     peer: str | None = None  # the consumer it is bound to
     dst_blocks: list[int] | None = None  # push: registered destinations
-    skip_blocks: int = 0
+    skip_blocks: int = 0  # leading source blocks the consumer holds already
     pull_blocks: int = 0  # pull: blocks the consumer asked for
     state: str = "waiting"  # waiting | writing | granted
     cancel_reason: str | None = None  # a cancel or abort arrived while writing
@@ -334,6 +334,7 @@ class Producer:
         transfer = self._transfers.setdefault(tid, _Transfer(tid))
         transfer.peer = peer
         transfer.pull_blocks = message.num_blocks
+        transfer.skip_blocks = message.skip_blocks
         if transfer.final:
             return self._grant(transfer, now)
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
@@ -341,13 +342,18 @@ class Producer:
 
     def _grant(self, transfer: _Transfer, now: float) -> list[Action]:
         assert transfer.kv_blocks is not None
-        if transfer.pull_blocks > len(transfer.kv_blocks):
-            detail = f"{transfer.pull_blocks} blocks asked, {len(transfer.kv_blocks)} held"
+        first = transfer.skip_blocks
+        if first + transfer.pull_blocks > len(transfer.kv_blocks):
+            detail = (
+                f"{transfer.pull_blocks} blocks asked after skipping {first}, "
+                f"{len(transfer.kv_blocks)} held"
+            )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
         transfer.state = "granted"
         self._deadlines.cancel(("reg", transfer.transfer_id))
         self._deadlines.set(("lease", transfer.transfer_id), now + self.config.lease_s)
-        blocks = transfer.kv_blocks[: transfer.pull_blocks]
+        # The consumer holds the first blocks already (prefix cache): grant the rest.
+        blocks = transfer.kv_blocks[first : first + transfer.pull_blocks]
         grant = Grant(transfer.transfer_id, [blocks], self.config.lease_s)
         return [ExposeBlocks(transfer.transfer_id, blocks), Send(transfer.peer, grant)]
 

@@ -138,8 +138,11 @@ class Node:
         kv: DeviceKV,
         backends: Backends | None = None,
         metrics: Metrics | None = None,
+        on_outcome: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        # Called on the loop thread after each outcome is queued: must not block.
+        self._on_outcome = on_outcome
         self.kv = kv
         self.backends = backends or get_backends()
         self.metrics = metrics or Metrics()
@@ -656,6 +659,8 @@ class Node:
         with self._results_ready:
             self._results.append(outcome)
             self._results_ready.notify_all()
+        if self._on_outcome is not None:
+            self._on_outcome()
 
     # -- polling and timers (loop thread) --------------------------------------------------
 

@@ -30,6 +30,8 @@ class ConnectorConfig:
         routers (0: not served).
     secret: shared secret for message authentication (default $KVPUSH_SECRET).
     layerwise: push each layer's KV as soon as it is computed (default true).
+    idle_wait_s: longest an engine step that has nothing to compute but transfers to
+        wait for sleeps until a transfer ends (default 0.02; 0 turns the wait off).
     nixl_backends: NIXL backends to use (default: the device backend's choice).
     ucx_error_handling: "none" (default, fastest here) or "peer".
     device_options: passed to the device backend (e.g. {"staging": "host"}).
@@ -43,6 +45,7 @@ class ConnectorConfig:
     identity_port: int = 0
     secret: str | None = None
     layerwise: bool = True
+    idle_wait_s: float = 0.02
     nixl_backends: tuple[str, ...] = ()
     ucx_error_handling: str = "none"
     device_options: dict[str, Any] = field(default_factory=dict)
@@ -84,6 +87,11 @@ def _checked(key: str, value: Any) -> Any:
         kind = expected[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(f"{key} must be a {kind.__name__}, got {value!r}")
+    if key == "idle_wait_s":
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not 0 <= value <= 1:
+            raise ConfigError(f"idle_wait_s must be a number of seconds in [0, 1], got {value!r}")
+        return float(value)
     if key == "mode" and value not in ("push", "pull"):
         raise ConfigError(f"mode must be 'push' or 'pull', got {value!r}")
     if key in ("port", "identity_port") and not 0 <= value < 65536:

@@ -56,8 +56,10 @@ class KVPushConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            block_size = vllm_config.cache_config.block_size
-            self._scheduler = SchedulerSide(config, engine_id, block_size, world)
+            cache = vllm_config.cache_config
+            self._scheduler = SchedulerSide(
+                config, engine_id, cache.block_size, world, bool(cache.enable_prefix_caching)
+            )
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -77,9 +79,12 @@ class KVPushConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -49,6 +49,14 @@ class KVPushMetadata(KVConnectorMetadata):
     pending: list[str] = field(default_factory=list)  # prefill transfer ids admitted
     aborts: list[str] = field(default_factory=list)  # transfer ids given up (either role)
     rejects: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
+    doorbell: int = 0  # the scheduler's doorbell port (kvpush.vllm.wake)
+
+    def carries_work(self) -> bool:
+        """Whether the workers must act on this step's metadata."""
+        return bool(
+            self.expects or self.announces or self.produces or self.pending
+            or self.aborts or self.rejects
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

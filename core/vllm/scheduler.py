@@ -24,6 +24,8 @@ from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
+from kvpush.vllm.transfers import EngineTransfers
+from kvpush.vllm.wake import Doorbell
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,8 @@ _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 @dataclass
 class _Producing:
-    transfer_id: str
+    transfer_id: str  # this engine request's own (see kvpush.vllm.transfers)
+    base_id: str  # the router's, echoed to it
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     signalled: bool = False  # a step computing its last prompt token was scheduled
@@ -43,22 +46,35 @@ class SchedulerSide:
     """Scheduler-process bookkeeping for one vLLM instance."""
 
     def __init__(
-        self, config: ConnectorConfig, engine_id: str, block_size: int, world: int
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        block_size: int,
+        world: int,
+        prefix_caching: bool = True,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.world = world
+        self.prefix_caching = prefix_caching
         self.epoch = os.urandom(4).hex()
+        self._ids = EngineTransfers()
         self._producing: dict[str, _Producing] = {}
+        self._unsent: set[str] = set()  # prefill legs without a usable transfer id
         self._sending: set[str] = set()  # delay-freed prefill requests
-        self._consuming: dict[str, str] = {}  # decode request id -> transfer id
+        self._legs: dict[str, str] = {}  # decode request id -> its transfer id ("" if refused)
+        self._announced: dict[str, str] = {}  # decode request id -> transfer id, not allocated
+        self._consuming: dict[str, str] = {}  # decode request id -> transfer id, allocated
+        self._followers: dict[str, str] = {}  # decode request id -> its sibling 0's
         self._local_hits: dict[str, int] = {}
-        self._announced: dict[str, str] = {}  # decode request id -> transfer id
         self._rejected: dict[str, str] = {}
         self._next = KVPushMetadata()
         self._ranks: dict[int, KVPushHandshake] = {}
         self.identity_server: IdentityServer | None = None
+        self.doorbell = Doorbell()
+        self._was_idle = False
+        self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
 
     # -- identity -------------------------------------------------------------------
 
@@ -95,34 +111,46 @@ class SchedulerSide:
     def close(self) -> None:
         if self.identity_server is not None:
             self.identity_server.close()
+        self.doorbell.close()
 
     # -- vLLM scheduler hooks -------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        """vLLM took the request in: name its transfer and tell the peer now, not when
+        the request reaches the head of a queue that may be long."""
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self._admit_prefill(request, params)
+        elif params.get("do_remote_prefill"):
+            self._admit_decode(request, params)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode"):
             self._admit_prefill(request, params)
             return 0, False
         if not params.get("do_remote_prefill"):
             return 0, False
-        problem = _decode_leg_problem(params, self.config.protocol.mode, self.world)
+        self._admit_decode(request, params)  # if vLLM did not call on_new_request
+        request_id = request.request_id
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if problem is not None:
-            self._rejected[request.request_id] = problem
-            log.error("kvpush: request %s cannot load its KV: %s", request.request_id, problem)
+        if request_id in self._rejected:
             return max(count, 1), True  # reported failed at once, per kv_load_failure_policy
-        tid = params["transfer_id"]
-        if count <= 0:
-            # Everything is cached here already: let prefill free its copy now.
-            self._decline(params)
+        leader = self._followers.get(request_id)
+        if leader is not None:
+            if self.prefix_caching and self._loading(leader):
+                return None, False  # ask again once its sibling's KV is in the prefix cache
+            del self._followers[request_id]
             params["do_remote_prefill"] = False
             return 0, False
-        self._local_hits[request.request_id] = num_computed_tokens
-        if request.request_id not in self._announced:
-            self._announced[request.request_id] = tid
-            self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+        if count <= 0:
+            # Everything is cached here already: let prefill free its copy now.
+            self._next.aborts.append(self._announced.pop(request_id))
+            params["do_remote_prefill"] = False
+            return 0, False
+        self._local_hits[request_id] = num_computed_tokens
         return count, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -135,12 +163,11 @@ class SchedulerSide:
         if request_id in self._rejected:
             self._next.rejects.append((request_id, self._rejected.pop(request_id)))
             return
+        tid = self._announced.pop(request_id)
         local = self._local_hits.pop(request_id, 0)
         first = local // self.block_size
         last = -(-(local + num_external_tokens) // self.block_size)
         block_ids = blocks.get_block_ids()[0][first:last]
-        tid = params["transfer_id"]
-        self._announced.pop(request_id, None)
         self._consuming[request_id] = tid
         producers = tuple(params["remote_addresses"])
         self._next.expects.append(Expect(request_id, tid, producers, tuple(block_ids), first))
@@ -156,13 +183,35 @@ class SchedulerSide:
                     Produce(request_id, producing.transfer_id, tuple(producing.block_ids))
                 )
         meta, self._next = self._next, KVPushMetadata()
+        meta.doorbell = self.doorbell.port
+        if self._only_transfers_to_wait_for(scheduler_output, meta):
+            self.idle_waits += 1
+            self.doorbell.wait(self.config.idle_wait_s)
         return meta
+
+    def _only_transfers_to_wait_for(self, out: Any, meta: KVPushMetadata) -> bool:
+        """Whether this step computes nothing, tells the workers nothing, and only a
+        transfer's end (a landing, a WRITE done) can change that.
+
+        Two empty schedules in a row, not one: with async scheduling an empty one
+        may be taken while the previous batch still computes, and its outcome must
+        not wait on us.
+        """
+        empty = not out.total_num_scheduled_tokens and not out.finished_req_ids
+        idle, self._was_idle = self._was_idle, empty
+        if not (idle and empty) or meta.carries_work() or not self.config.idle_wait_s:
+            return False
+        return bool(self._consuming or self._sending or self._followers)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         request_id = request.request_id
+        self._ids.forget(request_id)
+        self._unsent.discard(request_id)
         producing = self._producing.pop(request_id, None)
         if producing is not None:
             return self._prefill_finished(request, producing, block_ids)
+        self._legs.pop(request_id, None)
+        self._followers.pop(request_id, None)
         tid = self._consuming.pop(request_id, None)
         if tid is not None:
             # Finished before its KV arrived (aborted): the worker settles the transfer
@@ -185,20 +234,50 @@ class SchedulerSide:
     # -- internals ----------------------------------------------------------------------
 
     def _admit_prefill(self, request: Any, params: dict[str, Any]) -> None:
-        if request.request_id in self._producing:
+        request_id = request.request_id
+        if request_id in self._producing or request_id in self._unsent:
             return
         try:
-            tid = params.get("transfer_id")
-            check_transfer_id(tid if isinstance(tid, str) else "")
+            base = params.get("transfer_id")
+            check_transfer_id(base if isinstance(base, str) else "")
         except ProtocolError:
+            self._unsent.add(request_id)
             log.error(
                 "kvpush: prefill request %s has no valid transfer_id in kv_transfer_params; "
                 "its KV will not be sent",
-                request.request_id,
+                request_id,
             )
             return
-        self._producing[request.request_id] = _Producing(tid, len(request.prompt_token_ids or ()))
+        tid, _, _ = self._ids.assign(request, base)
+        prompt_len = len(request.prompt_token_ids or ())
+        self._producing[request_id] = _Producing(tid, base, prompt_len)
         self._next.pending.append(tid)
+
+    def _admit_decode(self, request: Any, params: dict[str, Any]) -> None:
+        """Name a decode leg's transfer and announce it to the producer, once."""
+        request_id = request.request_id
+        if request_id in self._legs:
+            return
+        problem = _decode_leg_problem(params, self.config.protocol.mode, self.world)
+        if problem is not None:
+            self._legs[request_id] = ""
+            self._rejected[request_id] = problem
+            log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
+            return
+        tid, _, leader = self._ids.assign(request, params["transfer_id"])
+        self._legs[request_id] = tid
+        if leader is not None and leader in self._legs:
+            # A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
+            # once; this one reads it from the prefix cache. Should prefill have made a
+            # copy for it too, let it go at once.
+            self._followers[request_id] = leader
+            self._decline(tid, params)
+            return
+        self._announced[request_id] = tid
+        self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+
+    def _loading(self, request_id: str) -> bool:
+        return request_id in self._announced or request_id in self._consuming
 
     def _prefill_finished(
         self, request: Any, producing: _Producing, block_ids: list[int]
@@ -214,7 +293,7 @@ class SchedulerSide:
         echo = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "transfer_id": producing.transfer_id,
+            "transfer_id": producing.base_id,
             "transfer_mode": self.config.protocol.mode,
             "remote_engine_id": self.engine_id,
             "remote_epoch": self.epoch,
@@ -223,8 +302,8 @@ class SchedulerSide:
         }
         return True, echo
 
-    def _decline(self, params: dict[str, Any]) -> None:
-        tid = params["transfer_id"]
+    def _decline(self, tid: str, params: dict[str, Any]) -> None:
+        """Tell the producer nobody here claims `tid`: it frees any KV made for it."""
         self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
         self._next.aborts.append(tid)
 

@@ -19,6 +19,7 @@ from kvpush.runtime.node import Node, NodeConfig
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, Produce
 from kvpush.vllm.stats import KVPushStats
+from kvpush.vllm.wake import Ringer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class WorkerSide:
         self._stats = KVPushStats()
         self._samples_seen = 0
         self._counted: dict[str, float] = {}  # node counters already reported
+        self._ringer = Ringer()  # wakes a scheduler waiting for an outcome
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -79,7 +81,7 @@ class WorkerSide:
             secret=load_secret(self.config.secret),
             nixl_backends=self.config.nixl_backends,
         )
-        self.node = Node(node_config, kv, self.backends).start()
+        self.node = Node(node_config, kv, self.backends, on_outcome=self._ringer.ring).start()
         self._layer_index = {name: i for i, name in enumerate(kv.layout.layer_names)}
         where = self.node.address if self.role != "consumer" else "(dials out)"
         log.info(
@@ -100,6 +102,7 @@ class WorkerSide:
     def bind(self, meta: KVPushMetadata) -> None:
         """The step's metadata arrived (before the forward pass): act on it now."""
         node = self._node()
+        self._ringer.port = meta.doorbell
         for tid in meta.pending:
             node.kv_pending(tid)
         for announce in meta.announces:
@@ -205,6 +208,7 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        self._ringer.close()
         if self.node is not None:
             try:
                 self.node.close()

@@ -122,3 +122,45 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def router(cluster: Cluster) -> str:
     return cluster.start_router(["prefill"], ["decode"], timeout_s=60)
+
+
+def _choices(response) -> list[tuple[int, list[int], str]]:
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    return sorted((c["index"], c.get("token_ids") or [], c["text"]) for c in choices)
+
+
+def assert_request_shapes_match(client: Client, single: str, router: str) -> None:
+    """Request shapes that become several engine requests, or that a one-token prefill
+    leg must not choke on, answer through the router as a plain instance answers."""
+    a, b = prompt(300, 61), prompt(140, 62)
+    shapes = {
+        "list of prompts, one repeated": {"prompt": [a, b, a]},
+        # vLLM refuses n > 1 with greedy sampling: seeded sampling is as deterministic.
+        "n=2": {"prompt": prompt(260, 63), "n": 2, "seed": 7, "temperature": 1.0},
+        "n=3 over a list": {"prompt": [prompt(129, 64), prompt(20, 65)], "n": 3, "seed": 8,
+                            "temperature": 0.7},
+        "min_tokens": {"prompt": prompt(150, 67), "min_tokens": 4},
+        "logprobs and a stop": {"prompt": prompt(90, 68), "logprobs": 2, "stop": ["zzzz"]},
+    }  # fmt: skip
+    wrong = []
+    for name, shape in shapes.items():
+        extra = {k: v for k, v in shape.items() if k != "prompt"}
+        theirs = _choices(client.complete(single, shape["prompt"], **extra))
+        ours = _choices(client.complete(router, shape["prompt"], **extra))
+        if ours != theirs:
+            wrong.append(name)
+    assert not wrong, f"shapes whose answer differs from a plain instance: {wrong}"
+
+
+def assert_shared_prefixes_match(client: Client, single: str, router: str, seed: int) -> None:
+    """Prompts sharing a 640-token prefix (five full blocks) with an earlier request, so
+    decode holds the prefix in its own cache and must take only the rest from prefill."""
+    prefix = prompt(640, seed)
+    client.tokens(router, prefix + prompt(30, seed + 1))  # decode caches the prefix
+    wrong = []
+    for i, tail in enumerate((1, 60, 127, 128, 300)):
+        tokens = prefix + prompt(tail, seed + 10 + i)
+        if client.tokens(router, tokens) != client.tokens(single, tokens):
+            wrong.append(len(tokens))
+    assert not wrong, f"prompt lengths whose output differs from a plain instance: {wrong}"

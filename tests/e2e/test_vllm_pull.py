@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import DECODE_TIMERS, PREFILL_TIMERS, prompt
+from conftest import (
+    DECODE_TIMERS,
+    PREFILL_TIMERS,
+    assert_request_shapes_match,
+    assert_shared_prefixes_match,
+    prompt,
+)
 
 from kvpush.demo.servers import MODEL_NAME
 
@@ -35,10 +41,27 @@ def test_pull_outputs_equal_a_single_instance(cluster, pull_pair, client):
     assert client.stream_text(pull_pair, "/v1/completions", body) == client.stream_text(
         single, "/v1/completions", body
     )
+    _pull_drained(cluster, client)
+
+
+def _pull_drained(cluster, client) -> None:
     for name in ("pull_prefill", "pull_decode"):
-        assert client.wait_drained(cluster.identity_url(name)) == {
-            "sending": 0, "producing": 0, "receiving": 0,
-        }  # fmt: skip
+        state = client.wait_drained(cluster.identity_url(name))
+        assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
+
+
+def test_pull_n_list_prompts_min_tokens_and_logprobs_equal_a_single_instance(
+    cluster, pull_pair, client
+):
+    assert_request_shapes_match(client, cluster.servers["single"].url, pull_pair)
+    _pull_drained(cluster, client)
+
+
+def test_pull_prompts_sharing_a_prefix_cached_on_decode_equal_a_single_instance(
+    cluster, pull_pair, client
+):
+    assert_shared_prefixes_match(client, cluster.servers["single"].url, pull_pair, seed=400)
+    _pull_drained(cluster, client)
 
 
 def _decode_leg_params(client, cluster, prefill: str, transfer_id: str) -> dict:

@@ -14,7 +14,15 @@ import time
 
 import httpx
 import pytest
-from conftest import PREFILL_TIMERS, Client, perturbed_copy, prompt
+from conftest import (
+    PREFILL_TIMERS,
+    Client,
+    assert_request_shapes_match,
+    assert_shared_prefixes_match,
+    perturbed_copy,
+    prompt,
+)
+from cpu import tree_cpu_seconds
 
 from kvpush.demo.servers import MODEL_NAME
 
@@ -40,6 +48,16 @@ def test_outputs_equal_a_single_instance(cluster, router, client):
                        strict=True))  # fmt: skip
     mismatched = [n for n in LENGTHS if got[n] != expected[n]]
     assert not mismatched, f"prompt lengths whose output differs: {mismatched}"
+    _both_drained(cluster, client)
+
+
+def test_n_list_prompts_min_tokens_and_logprobs_equal_a_single_instance(cluster, router, client):
+    assert_request_shapes_match(client, cluster.servers["single"].url, router)
+    _both_drained(cluster, client)
+
+
+def test_prompts_sharing_a_prefix_cached_on_decode_equal_a_single_instance(cluster, router, client):
+    assert_shared_prefixes_match(client, cluster.servers["single"].url, router, seed=300)
     _both_drained(cluster, client)
 
 
@@ -215,6 +233,47 @@ def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
     cluster.start("decode")
     single = cluster.servers["single"].url
     assert client.tokens(router, prompt(200, 4)) == client.tokens(single, prompt(200, 4))
+    _both_drained(cluster, client)
+
+
+def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, client):
+    """Eight decode legs wait for KV their prefill has not started on. vLLM's engine
+    loop would step empty a thousand times a second meanwhile (over a core, measured);
+    kvpush sleeps those steps until a transfer ends. Then prefill runs, and every
+    request answers as a plain instance does, from the pushed KV."""
+    decode = cluster.servers["decode"]
+    identity = client.http.get(cluster.identity_url("prefill") + "/query").json()
+    single = cluster.servers["single"].url
+    prompts = [prompt(400, 700 + i) for i in range(8)]
+    expected = [client.tokens(single, p) for p in prompts]
+    delivered_before = _counter(client, decode.url, "vllm:kvpush_delivered_total")
+    legs = []
+    for i in range(len(prompts)):
+        params = {
+            "do_remote_prefill": True, "transfer_id": f"xfer-waiting-{i}-{time.time_ns()}",
+            "transfer_mode": "push", "remote_engine_id": identity["engine_id"],
+            "remote_epoch": identity["epoch"], "remote_addresses": identity["addresses"],
+            "tp_size": identity["tp_size"],
+        }  # fmt: skip
+        legs.append(params)
+    with cf.ThreadPoolExecutor(16) as pool:
+        answers = [
+            pool.submit(client.complete, decode.url, p, kv_transfer_params=params)
+            for p, params in zip(prompts, legs, strict=True)
+        ]
+        time.sleep(1.0)  # every leg is in, blocks allocated, waiting for its KV
+        before = tree_cpu_seconds(decode.process.pid)
+        time.sleep(2.0)
+        cores = (tree_cpu_seconds(decode.process.pid) - before) / 2.0
+        prefill = cluster.servers["prefill"].url
+        for p, params in zip(prompts, legs, strict=True):
+            leg = {"do_remote_decode": True, "transfer_id": params["transfer_id"]}
+            pool.submit(client.complete, prefill, p, max_tokens=1, kv_transfer_params=leg)
+        got = [answer.result() for answer in answers]
+    assert cores < 0.5, f"decode used {cores:.2f} cores while its requests waited for KV"
+    assert [r.json()["choices"][0]["token_ids"] for r in got] == expected
+    delivered = _counter(client, decode.url, "vllm:kvpush_delivered_total") - delivered_before
+    assert delivered == len(prompts), "some requests were recomputed, not pushed"
     _both_drained(cluster, client)
 
 

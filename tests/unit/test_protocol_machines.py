@@ -11,6 +11,7 @@ from protocol_sim import PRODUCER, Sim
 
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.consumer import Consumer
 from kvpush.protocol.messages import Cancel, Complete, Failed, Grant, Register
 
 
@@ -465,6 +466,30 @@ def test_pull_reads_after_the_producer_finishes():
     sim.check()
 
 
+def test_pull_with_a_local_prefix_hit_reads_the_blocks_after_it():
+    """Decode holds the first two blocks (a shared system prompt): the grant must name
+    the producer's blocks 2.., not 0.., or decode fills its blocks with the wrong KV."""
+    sim = Sim(mode="pull")
+    sources = sim.ready("t1", blocks=5)
+    sim.expect("t1", blocks=3, skip=2)
+    sim.deliver()  # pull request -> grant
+    sim.deliver()
+    post = sim.c.reads["t1"]
+    assert post.remote_blocks == sources[2:]
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_pull_asking_past_the_producers_blocks_is_refused():
+    sim = Sim(mode="pull")
+    sim.ready("t1", blocks=4)
+    sim.expect("t1", blocks=3, skip=2)
+    sim.settle()
+    assert sim.c.failed == {"t1": "bad_blocks"}
+    sim.check()
+
+
 def test_pull_request_before_kv_is_granted_when_ready():
     sim = Sim(mode="pull")
     sim.expect("t1")
@@ -546,3 +571,15 @@ def test_cancel_message_from_a_stranger_is_acked_harmlessly():
     sim.settle()
     assert sim.c.delivered == ["t1"]
     sim.check()
+
+
+def test_a_request_given_up_before_its_session_is_up_still_frees_the_producers_kv():
+    """Decode declines a transfer (a follower, a full local prefix hit) while the side
+    channel is still being set up: the Cancel must go out once it is up."""
+    sim = Sim()
+    consumer = Consumer(ProtocolConfig(), "digest")
+    assert [type(a).__name__ for a in consumer.announce("t1", PRODUCER, 0.0)] == ["Connect"]
+    assert consumer.abort("t1", 0.0) == []
+    sends = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    assert [(s.peer, s.message) for s in sends] == [(PRODUCER, Cancel("t1", "aborted"))]
+    assert consumer.on_ready(PRODUCER, sim.producer_hello, 0.2) == []  # only once

@@ -6,6 +6,8 @@ with the fields the scheduler half reads; the real ones run in tests/e2e.
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +17,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.transfers import engine_transfer_id, prompt_digest
+from kvpush.vllm.wake import Ringer
 
 BLOCK = 128
 
@@ -33,6 +37,11 @@ def _request(request_id: str, prompt_len: int, params: dict, status: str = "RUNN
         status=SimpleNamespace(name=status),
         is_finished=lambda: status.startswith("FINISHED"),
     )
+
+
+def _tid(prompt_len: int, base: str = "xfer-1", k: int = 0) -> str:
+    """The engine transfer id both sides derive for a prompt of `_request`'s shape."""
+    return engine_transfer_id(base, prompt_digest(range(prompt_len)), k)
 
 
 def _blocks(ids: list[int]):
@@ -56,6 +65,8 @@ def _step(new=(), cached=(), scheduled=None):
             resumed_req_ids=set(),
         ),
         num_scheduled_tokens=scheduled or {},
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
+        finished_req_ids=set(),
     )
 
 
@@ -74,9 +85,9 @@ def test_prefill_leg_is_produced_in_the_step_that_finishes_its_prompt():
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     # Chunked: 200 tokens now, the last 100 in the next step.
     meta = side.build_connector_meta(_step(new=[("p1", 300, [4, 5], 0)], scheduled={"p1": 200}))
-    assert meta.pending == ["xfer-1"] and meta.produces == []
+    assert meta.pending == [_tid(300)] and meta.produces == []
     meta = side.build_connector_meta(_step(cached=[("p1", [6], 200)], scheduled={"p1": 100}))
-    assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [("xfer-1", (4, 5, 6))]
+    assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (4, 5, 6))]
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     delay, echo = side.request_finished(request, [4, 5, 6])
     assert delay is True
@@ -93,7 +104,7 @@ def test_prefill_aborted_before_its_last_step_frees_at_once():
                        status="FINISHED_ABORTED")  # fmt: skip
     side.get_num_new_matched_tokens(request, 0)
     assert side.request_finished(request, [4, 5]) == (False, None)
-    assert side.build_connector_meta(_step()).aborts == ["xfer-1"]
+    assert side.build_connector_meta(_step()).aborts == [_tid(300)]
 
 
 def test_prefill_aborted_after_its_kv_was_signalled_waits_for_the_producer():
@@ -104,7 +115,7 @@ def test_prefill_aborted_after_its_kv_was_signalled_waits_for_the_producer():
     request.status = SimpleNamespace(name="FINISHED_ABORTED")
     delay, _ = side.request_finished(request, [4])
     assert delay is True  # a WRITE may be reading block 4
-    assert side.build_connector_meta(_step()).aborts == ["xfer-1"]
+    assert side.build_connector_meta(_step()).aborts == [_tid(10)]
 
 
 def test_decode_leg_claims_the_blocks_after_its_local_prefix():
@@ -128,7 +139,8 @@ def test_decode_leg_fully_cached_locally_lets_prefill_free_its_copy():
     request = _request("d1", 256, _decode_params())
     assert side.get_num_new_matched_tokens(request, 256) == (0, False)
     meta = side.build_connector_meta(_step())
-    assert [a.transfer_id for a in meta.announces] == ["xfer-1"] and meta.aborts == ["xfer-1"]
+    assert [a.transfer_id for a in meta.announces] == [_tid(256)]
+    assert meta.aborts == [_tid(256)]
 
 
 def test_decode_leg_aborted_while_queued_stops_keeping_prefill_kv_alive():
@@ -137,7 +149,7 @@ def test_decode_leg_aborted_while_queued_stops_keeping_prefill_kv_alive():
     side.get_num_new_matched_tokens(request, 0)
     side.request_finished(request, [])
     meta = side.build_connector_meta(_step())
-    assert meta.aborts == ["xfer-1"]
+    assert meta.aborts == [_tid(300)]
 
 
 @pytest.mark.parametrize(
@@ -160,3 +172,130 @@ def test_decode_legs_kvpush_cannot_serve_fail_with_the_reason(params, why):
     assert meta.expects == []
     ((request_id, reason),) = meta.rejects
     assert request_id == "d1" and why in reason
+
+
+def _prompted(request_id: str, tokens: list[int], params: dict):
+    request = _request(request_id, 0, params)
+    request.prompt_token_ids = tokens
+    return request
+
+
+def test_every_engine_request_of_a_client_request_gets_its_own_transfer_alike_on_both_sides():
+    """A list of prompts (one engine request each) and n=2 (two per prompt) share the
+    router's transfer id; each prompt's KV must reach only that prompt's requests."""
+    prefill, decode = _side(), _side()
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [1, 2, 3]]  # the third repeats the first
+    produced = []
+    for i, tokens in enumerate(prompts):  # the prefill leg: n=1, request ids of its own
+        request = _prompted(f"p-{i}", tokens, {"do_remote_decode": True, "transfer_id": "t"})
+        prefill.on_new_request(request)
+    produced = prefill.build_connector_meta(_step()).pending
+    assert len(set(produced)) == 3
+    arrivals = [(f"d-{i}-{c}", tokens) for i, tokens in enumerate(prompts) for c in range(2)]
+    requests = {}
+    for request_id, tokens in arrivals:  # the decode leg: n=2, other request ids
+        requests[request_id] = _prompted(request_id, tokens, _decode_params(transfer_id="t"))
+        decode.on_new_request(requests[request_id])
+    meta = decode.build_connector_meta(_step())
+    announced = [a.transfer_id for a in meta.announces if a.transfer_id not in meta.aborts]
+    # The first choice of each distinct prompt claims prefill's KV; every other request
+    # is a follower whose copy on prefill (if any) is let go.
+    assert announced == produced[:2]
+    assert sorted(meta.aborts) == sorted({*produced[2:], *meta.aborts} - set(produced[:2]))
+    assert produced[2] in meta.aborts  # the repeated prompt's own copy is freed at once
+
+
+def test_a_follower_waits_for_its_siblings_kv_then_reads_the_prefix_cache():
+    side = _side()
+    leader = _request("0_cmpl", 300, _decode_params())
+    follower = _request("1_cmpl", 300, _decode_params())
+    side.on_new_request(leader)
+    side.on_new_request(follower)
+    assert side.get_num_new_matched_tokens(leader, 0) == (300, True)
+    assert side.get_num_new_matched_tokens(follower, 0) == (None, False)
+    side.update_state_after_alloc(leader, _blocks([1, 2, 3]), 300)
+    assert side.get_num_new_matched_tokens(follower, 0) == (None, False)
+    side.update_connector_output(
+        SimpleNamespace(finished_sending=None, finished_recving={"0_cmpl"})
+    )
+    assert side.get_num_new_matched_tokens(follower, 256) == (0, False)
+    assert follower.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_a_follower_without_prefix_caching_computes_at_once():
+    side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1, prefix_caching=False)
+    leader = _request("0_cmpl", 300, _decode_params())
+    follower = _request("1_cmpl", 300, _decode_params())
+    side.on_new_request(leader)
+    side.on_new_request(follower)
+    assert side.get_num_new_matched_tokens(follower, 0) == (0, False)
+
+
+def test_decode_leg_is_announced_on_arrival_not_when_it_reaches_the_queue_head():
+    side = _side()
+    side.on_new_request(_request("d1", 300, _decode_params()))
+    assert [a.transfer_id for a in side.build_connector_meta(_step()).announces] == [_tid(300)]
+
+
+def test_prefill_echo_names_the_routers_transfer_id_not_the_engines():
+    side = _side()
+    request = _request("p1", 10, {"do_remote_decode": True, "transfer_id": "xfer-9"})
+    side.on_new_request(request)
+    side.build_connector_meta(_step(new=[("p1", 10, [4], 0)], scheduled={"p1": 10}))
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    _, echo = side.request_finished(request, [4])
+    assert echo["transfer_id"] == "xfer-9"
+
+
+def _waiting_decode(side: SchedulerSide) -> None:
+    request = _request("d1", 300, _decode_params())
+    side.on_new_request(request)
+    side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, _blocks([1, 2, 3]), 300)
+    side.build_connector_meta(_step())  # carries the expect: no wait
+
+
+def test_an_empty_step_while_kv_is_on_its_way_sleeps_until_the_doorbell_rings():
+    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    _waiting_decode(side)  # an empty step (it carried the claim): the next may wait
+    ringer = Ringer()
+    ringer.port = side.doorbell.port
+    timer = threading.Timer(0.2, ringer.ring)  # a worker's Node has an outcome
+    timer.start()
+    started = time.monotonic()
+    side.build_connector_meta(_step())
+    waited = time.monotonic() - started
+    assert side.idle_waits == 1 and 0.15 < waited < 0.9  # woken by the ring, not the bound
+    ringer.close()
+    side.close()
+
+
+def test_the_wait_is_bounded_so_new_requests_are_admitted():
+    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 0.05}), "e", BLOCK, 1)
+    _waiting_decode(side)
+    started = time.monotonic()
+    side.build_connector_meta(_step())
+    assert 0.04 < time.monotonic() - started < 0.5
+    side.close()
+
+
+def test_steps_that_compute_or_carry_work_never_wait():
+    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    _waiting_decode(side)
+    busy = _step(new=[("x", 10, [9], 0)], scheduled={"x": 10})
+    for _ in range(3):
+        side.build_connector_meta(busy)  # a running request computes
+    side.build_connector_meta(_step())
+    side.on_new_request(_request("d2", 50, _decode_params(transfer_id="xfer-2")))
+    started = time.monotonic()
+    meta = side.build_connector_meta(_step())  # the announce must reach the workers now
+    assert meta.announces and time.monotonic() - started < 0.5
+    assert side.idle_waits == 0
+    side.close()
+
+
+def test_nothing_in_flight_means_no_wait():
+    side = _side()
+    for _ in range(3):
+        side.build_connector_meta(_step())
+    assert side.idle_waits == 0

@@ -1,0 +1,84 @@
+"""One transfer per engine request, named alike on both sides without talking.
+
+A router mints one transfer id per client request, but one client request can
+become several engine requests that all carry it: a list of prompts (one engine
+request per prompt) and `n > 1` (one per choice). Engine request ids are made up by
+each server on its own, so they cannot pair the two sides. What both sides do see
+alike is the transfer id, each engine request's prompt, and the order in which the
+engine requests of one client request arrive. So the engine transfer id is
+
+    <router's transfer id>/<digest of the prompt>.<k>
+
+where k counts earlier engine requests of the same client request with the same
+prompt: 0 for the only one, 1.. for siblings (`n > 1`, or a prompt listed twice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from kvpush.protocol.messages import MAX_TRANSFER_ID
+
+# Siblings arrive within one add_request burst: a few thousand client requests of
+# memory is far more than enough, and bounds it.
+_MEMORY = 16384
+
+
+def prompt_digest(token_ids: Sequence[int], extra: Sequence[str] = ()) -> str:
+    """A short digest of what determines a prompt's KV: its tokens and media."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(array("q", token_ids).tobytes())
+    for item in extra:
+        h.update(b"\0" + item.encode())
+    return h.hexdigest()
+
+
+def engine_transfer_id(base: str, digest: str, occurrence: int) -> str:
+    derived = f"{base}/{digest}.{occurrence}"
+    if len(derived) <= MAX_TRANSFER_ID:
+        return derived
+    # A very long router id: keep it unique, not readable.
+    short = hashlib.blake2b(base.encode(), digest_size=16).hexdigest()
+    return f"{short}/{digest}.{occurrence}"
+
+
+class EngineTransfers:
+    """Assigns each engine request its engine transfer id, in arrival order."""
+
+    def __init__(self, memory: int = _MEMORY) -> None:
+        self._memory = memory
+        self._counts: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
+        self._of: dict[str, tuple[str, int, str | None]] = {}
+
+    def assign(self, request: Any, base: str) -> tuple[str, int, str | None]:
+        """(engine transfer id, k, request id of sibling 0) for `request`; stable."""
+        known = self._of.get(request.request_id)
+        if known is not None:
+            return known
+        digest = prompt_digest(request.prompt_token_ids or (), _media(request))
+        key = (base, digest)
+        seen = self._counts.setdefault(key, [])
+        self._counts.move_to_end(key)
+        while len(self._counts) > self._memory:
+            self._counts.popitem(last=False)
+        occurrence = len(seen)
+        leader = seen[0] if seen else None
+        seen.append(request.request_id)
+        assigned = (engine_transfer_id(base, digest, occurrence), occurrence, leader)
+        self._of[request.request_id] = assigned
+        return assigned
+
+    def forget(self, request_id: str) -> None:
+        """The request is finished; siblings still to arrive keep their numbering."""
+        self._of.pop(request_id, None)
+
+
+def _media(request: Any) -> list[str]:
+    """Identifiers of a multimodal prompt's inputs: placeholder tokens alone do not
+    tell two images apart."""
+    features = getattr(request, "mm_features", None) or ()
+    return [str(getattr(f, "identifier", "")) for f in features]

@@ -1,0 +1,62 @@
+"""A doorbell from the workers to the scheduler: "a transfer ended, step now".
+
+While every request an engine holds waits for a transfer (decode: KV still to
+land; prefill: blocks a WRITE still reads), vLLM's engine loop has nothing to
+compute but keeps stepping, about a thousand empty steps a second, each a round
+trip to every worker. On a machine whose cores the engines share that steals a
+core from the engine that does compute. The scheduler half instead waits on this
+doorbell in such a step, for at most `idle_wait_s`: a worker rings it the moment
+its Node has an outcome, so a landing is picked up at once, and the bound keeps
+new requests and aborts (which vLLM queues until the step returns) prompt.
+
+A loopback datagram per outcome: workers on the scheduler's host reach it; a
+worker on another host (multi-node TP) cannot, and the bound alone applies there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+
+
+class Doorbell:
+    """The scheduler's end: a loopback UDP socket nobody needs to connect to."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.setblocking(False)
+        self.port: int = self._sock.getsockname()[1]
+
+    def wait(self, timeout: float) -> bool:
+        """Block until rung (True) or `timeout` seconds passed (False); either way,
+        forget the rings so far. A ring that came before the call returns at once."""
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        self._drain()
+        return bool(ready)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                self._sock.recv(64)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Ringer:
+    """A worker's end. Ringing never blocks and never fails the caller."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self.port = 0  # the scheduler's doorbell, learned from the step metadata
+
+    def ring(self) -> None:
+        if self.port:
+            with contextlib.suppress(OSError):  # full buffer: it is ringing already
+                self._sock.sendto(b"!", ("127.0.0.1", self.port))
+
+    def close(self) -> None:
+        self._sock.close()
