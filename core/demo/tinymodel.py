@@ -9,6 +9,7 @@ as their oracle.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -27,6 +28,12 @@ SHAPE = {
     "head_dim": 32,  # the smallest head size vLLM's CPU attention supports
 }
 STAMP = "kvpush-tiny-model.json"
+
+
+def cached_tiny_model() -> Path:
+    """The tiny model in the user's cache, built there on first use."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush"
+    return build_tiny_model(cache / "tiny-model")
 
 
 def _sentences(seed: int, count: int = 3000) -> list[str]:

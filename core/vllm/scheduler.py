@@ -73,7 +73,7 @@ class SchedulerSide:
         self._ranks: dict[int, KVPushHandshake] = {}
         self.identity_server: IdentityServer | None = None
         self.doorbell = Doorbell()
-        self._was_idle = False
+        self._parked = False
         self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
 
     # -- identity -------------------------------------------------------------------
@@ -184,22 +184,20 @@ class SchedulerSide:
                 )
         meta, self._next = self._next, KVPushMetadata()
         meta.doorbell = self.doorbell.port
-        if self._only_transfers_to_wait_for(scheduler_output, meta):
+        meta.park = self._only_transfers_to_wait_for(scheduler_output, meta)
+        # Two empty schedules in a row, not one: with async scheduling an empty one
+        # may be taken while the previous batch still computes, and its outcome must
+        # not wait on us.
+        if meta.park and self._parked and self.config.idle_wait_s:
             self.idle_waits += 1
             self.doorbell.wait(self.config.idle_wait_s)
+        self._parked = meta.park
         return meta
 
     def _only_transfers_to_wait_for(self, out: Any, meta: KVPushMetadata) -> bool:
         """Whether this step computes nothing, tells the workers nothing, and only a
-        transfer's end (a landing, a WRITE done) can change that.
-
-        Two empty schedules in a row, not one: with async scheduling an empty one
-        may be taken while the previous batch still computes, and its outcome must
-        not wait on us.
-        """
-        empty = not out.total_num_scheduled_tokens and not out.finished_req_ids
-        idle, self._was_idle = self._was_idle, empty
-        if not (idle and empty) or meta.carries_work() or not self.config.idle_wait_s:
+        transfer's end (a landing, a WRITE done) can change that."""
+        if out.total_num_scheduled_tokens or out.finished_req_ids or meta.carries_work():
             return False
         return bool(self._consuming or self._sending or self._followers)
 

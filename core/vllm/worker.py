@@ -18,6 +18,7 @@ from kvpush.protocol.auth import load_secret
 from kvpush.runtime.node import Node, NodeConfig
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, Produce
+from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
 from kvpush.vllm.wake import Ringer
 
@@ -62,11 +63,13 @@ class WorkerSide:
         self._samples_seen = 0
         self._counted: dict[str, float] = {}  # node counters already reported
         self._ringer = Ringer()  # wakes a scheduler waiting for an outcome
+        self._parking = Parking(None)
 
     # -- set-up ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.backends.init_runtime(self.device_type)
+        self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
         port = self.config.port + self.rank if self.config.port else 0
         node_config = NodeConfig(
@@ -103,6 +106,8 @@ class WorkerSide:
         """The step's metadata arrived (before the forward pass): act on it now."""
         node = self._node()
         self._ringer.port = meta.doorbell
+        if meta.park:
+            self._parking.park()
         for tid in meta.pending:
             node.kv_pending(tid)
         for announce in meta.announces:

@@ -22,8 +22,8 @@ from conftest import (
     perturbed_copy,
     prompt,
 )
-from cpu import tree_cpu_seconds
 
+from kvpush.bench.cpu import tree_cpu_seconds
 from kvpush.demo.servers import MODEL_NAME
 
 # Servers take minutes to start on 2 cores; the first test pays for the session.

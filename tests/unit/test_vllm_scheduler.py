@@ -252,12 +252,16 @@ def _waiting_decode(side: SchedulerSide) -> None:
     side.on_new_request(request)
     side.get_num_new_matched_tokens(request, 0)
     side.update_state_after_alloc(request, _blocks([1, 2, 3]), 300)
-    side.build_connector_meta(_step())  # carries the expect: no wait
+    assert not side.build_connector_meta(_step()).park  # it carries the claim
+    # Nothing to compute, nothing to say: the workers may sleep; the next such step
+    # waits (the first does not: a batch might still compute under async scheduling).
+    assert side.build_connector_meta(_step()).park
+    assert side.idle_waits == 0
 
 
 def test_an_empty_step_while_kv_is_on_its_way_sleeps_until_the_doorbell_rings():
     side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
-    _waiting_decode(side)  # an empty step (it carried the claim): the next may wait
+    _waiting_decode(side)
     ringer = Ringer()
     ringer.port = side.doorbell.port
     timer = threading.Timer(0.2, ringer.ring)  # a worker's Node has an outcome

@@ -1,0 +1,145 @@
+"""Open-loop load for `kvpush bench serve`: Poisson arrivals of streamed completions.
+
+Each request is a prompt of token ids, greedy, a fixed number of output tokens
+(ignore_eos), streamed, so every token's arrival time is seen. A request goes either
+straight to one URL (a plain instance, or a router that sends both legs) or, for
+upstream's pull connector, through the two legs its own toy proxy sends: prefill
+first, then decode with the prefill answer's kv_transfer_params.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+MODEL = "tiny"
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it (times in seconds since it was sent)."""
+
+    ok: bool
+    ttft: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go: `url` answers OpenAI completions; `two_legs` makes the
+    client send upstream's prefill leg to `prefill_url` first."""
+
+    url: str
+    model: str = MODEL
+    two_legs: bool = False
+    prefill_url: str = ""
+
+
+def prompts(count: int, length: int, seed: int, vocab: int = 2040) -> list[list[int]]:
+    """Fresh token-id prompts (ids above the tiny model's six special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 6 + vocab) for _ in range(length)] for _ in range(count)]
+
+
+def arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Send times of a Poisson process of `rate` requests a second, from 0."""
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def run(
+    target: Target, batch: list[list[int]], send_at: list[float], output_tokens: int,
+    timeout_s: float = 600.0,
+) -> list[Outcome]:  # fmt: skip
+    """Send each prompt at its time; every outcome, in prompt order."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        start = time.monotonic()
+
+        async def one(tokens: list[int], at: float) -> Outcome:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            try:
+                return await _request(session, target, tokens, output_tokens)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                return Outcome(False, error=f"{type(exc).__name__}: {exc}")
+
+        return list(await asyncio.gather(*(one(p, t) for p, t in zip(batch, send_at, strict=True))))
+
+
+async def _request(
+    session: aiohttp.ClientSession, target: Target, tokens: list[int], output_tokens: int
+) -> Outcome:
+    body: dict[str, Any] = {
+        "model": target.model, "prompt": tokens, "max_tokens": output_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+    sent = time.monotonic()
+    if target.two_legs:
+        leg = {**body, "max_tokens": 1, "stream": False,
+               "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+        async with session.post(target.prefill_url + "/v1/completions", json=leg) as response:
+            answer = await response.json(content_type=None)
+            if response.status != 200:
+                return Outcome(False, error=f"prefill leg {response.status}: {answer}")
+        body["kv_transfer_params"] = answer.get("kv_transfer_params")
+    outcome = Outcome(True)
+    async with session.post(target.url + "/v1/completions", json=body) as response:
+        if response.status != 200:
+            return Outcome(False, error=f"HTTP {response.status}: {await response.text()}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return Outcome(False, error=str(chunk["error"]))
+            for choice in chunk.get("choices", ()):
+                ids = choice.get("token_ids") or []
+                if not (ids or choice.get("text")):
+                    continue
+                outcome.token_times.append(time.monotonic() - sent)
+                outcome.token_ids += ids
+                outcome.text += choice.get("text") or ""
+    if not outcome.token_times:
+        return Outcome(False, error="the stream ended without a token")
+    outcome.ttft = outcome.token_times[0]
+    return outcome
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0-100), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

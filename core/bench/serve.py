@@ -1,0 +1,391 @@
+"""`kvpush bench serve`: the end-to-end benchmark on real vLLM, the one to decide by.
+
+Each configuration runs in turn on the same machine, model and seeded prompts:
+
+  plain      one vLLM instance, no connector (the baseline every ratio is against)
+  push       kvpush prefill + decode behind `kvpush router`, push mode
+  pull       the same in pull mode
+  upstream   vLLM's own NixlConnector prefill + decode, driven the way its toy proxy
+             drives them (prefill first, then decode with the prefill's answer)
+
+Each configuration is measured in each placement: "colocated" (servers share the
+cores; only vLLM's compute threads are bound: prefill and plain to --prefill-cpus,
+decode to --decode-cpus) and then "pinned" (every thread of each server's process
+tree bound to its CPUs, as separate hosts would be). Each cell of the grid — prompt
+length x request rate — sends Poisson arrivals of fresh greedy prompts and records
+TTFT, TPOT and ITL percentiles, goodput under the SLO, failures, outputs that differ
+from the plain instance's, and each server tree's CPU while idle and under load.
+
+Results: JSON lines (results.jsonl, and stdout with --json), a Markdown table
+(table.md) and plots (ttft-<placement>.png, tpot-<placement>.png) in --out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvpush.bench import load
+from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
+from kvpush.bench.report import Report
+from kvpush.errors import KVPushError
+
+CONFIGS = ("plain", "push", "pull", "upstream")
+IDLE_SETTLE_S = 2.0
+PLACEMENTS = ("colocated", "pinned")
+
+
+@dataclass(frozen=True)
+class Settings:
+    lengths: tuple[int, ...] = (1024, 3072)
+    rates: tuple[float, ...] = (1.0, 8.0)
+    requests: int = 24
+    output_tokens: int = 16
+    configs: tuple[str, ...] = CONFIGS
+    placements: tuple[str, ...] = PLACEMENTS
+    prefill_cpus: str = "0"
+    decode_cpus: str = "1"
+    model: Path | None = None  # None: the tiny model, built on the spot
+    vllm_args: tuple[str, ...] = ()
+    attach: dict[str, str] = field(default_factory=dict)  # config -> URL already serving
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 100.0
+    idle_seconds: float = 3.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.configs) - set(CONFIGS))
+        if unknown:
+            raise KVPushError(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+        unknown = sorted(set(self.placements) - set(PLACEMENTS))
+        if unknown:
+            raise KVPushError(f"unknown placement(s) {unknown}; known: {list(PLACEMENTS)}")
+        if self.requests < 1 or not self.lengths or not self.rates:
+            raise KVPushError("the grid needs at least one length, one rate and one request")
+        for config in self.attach:
+            if config not in ("plain", "push", "pull"):
+                raise KVPushError(f"--attach takes plain, push or pull, not {config!r}")
+
+
+@dataclass
+class Cell:
+    config: str
+    placement: str
+    prompt_len: int
+    rate: float
+    requests: int
+    failures: int
+    mismatches: int
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p90_ms: float | None
+    tpot_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p90_ms: float | None
+    itl_p99_ms: float | None
+    goodput_rps: float
+    seconds: float
+    cpu_idle_cores: dict[str, float]
+    cpu_load_cores: dict[str, float]
+    errors: list[str]
+
+
+class Deployment:
+    """One configuration's servers (and router), started or attached to."""
+
+    def __init__(self, config: str, settings: Settings, workdir: Path, model: Path) -> None:
+        from kvpush.demo.cluster import Cluster
+
+        self.config = config
+        self.settings = settings
+        self.cluster = Cluster(workdir / config, model)
+        self.target = load.Target("")
+
+    def start(self) -> load.Target:
+        attached = self.settings.attach.get(self.config)
+        if attached:
+            self.target = load.Target(attached.rstrip("/"))
+            return self.target
+        s = self.settings
+        cluster = self.cluster
+        if self.config == "plain":
+            self._server("plain", None, s.prefill_cpus)
+            cluster.start()
+            self.target = load.Target(cluster.servers["plain"].url)
+        elif self.config in ("push", "pull"):
+            self._server("prefill", "kv_producer", s.prefill_cpus, mode=self.config)
+            self._server("decode", "kv_consumer", s.decode_cpus, mode=self.config)
+            cluster.start()
+            router = cluster.start_router(["prefill"], ["decode"], mode=self.config)
+            self.target = load.Target(router)
+        else:
+            self._upstream("prefill", "kv_producer", s.prefill_cpus)
+            self._upstream("decode", "kv_consumer", s.decode_cpus)
+            cluster.start()
+            servers = cluster.servers
+            self.target = load.Target(
+                servers["decode"].url, two_legs=True, prefill_url=servers["prefill"].url
+            )
+        return self.target
+
+    def _server(self, name: str, role: str | None, cpus: str, **kv: str) -> None:
+        server = self.cluster.add_server(name, role, core=cpus, **kv)
+        self._fit(server)
+
+    def _upstream(self, name: str, role: str, cpus: str) -> None:
+        from kvpush.demo.cluster import free_port
+
+        server = self.cluster.add_server(name, None, core=cpus)
+        server.spec.kv_transfer_config = {
+            "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+        }  # fmt: skip
+        server.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        self._fit(server)
+
+    def _fit(self, server) -> None:
+        longest = max(self.settings.lengths) + self.settings.output_tokens
+        server.spec.max_model_len = max(2048, -(-longest // 1024) * 1024)
+        server.spec.extra_args = list(self.settings.vllm_args)
+
+    def pids(self) -> dict[str, int]:
+        """Server name -> the pid at the root of its process tree (none when attached)."""
+        return {
+            name: server.process.pid
+            for name, server in self.cluster.servers.items()
+            if server.process is not None
+        }
+
+    def pin(self) -> None:
+        cpus = {"prefill": self.settings.prefill_cpus, "plain": self.settings.prefill_cpus,
+                "decode": self.settings.decode_cpus}  # fmt: skip
+        for name, pid in self.pids().items():
+            pin_tree(pid, parse_cpus(cpus[name]))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return {name: tree_cpu_seconds(pid) for name, pid in self.pids().items()}
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def _cores(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    return {name: round((after[name] - before[name]) / seconds, 3) for name in after}
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 1)
+
+
+def summarize(
+    config: str, placement: str, length: int, rate: float, outcomes: list[load.Outcome],
+    expected: list[list[int]] | None, seconds: float, settings: Settings,
+    idle: dict[str, float], busy: dict[str, float],
+) -> Cell:  # fmt: skip
+    """One cell from its requests' outcomes (and the plain instance's token ids)."""
+    ok = [o for o in outcomes if o.ok]
+    ttfts = [o.ttft for o in ok]
+    tpots = [t for o in ok if (t := o.tpot) is not None]
+    itls = [gap for o in ok for gap in o.itls]
+    mismatches = 0
+    if expected is not None:
+        mismatches = sum(
+            1 for o, want in zip(outcomes, expected, strict=True) if o.ok and o.token_ids != want
+        )
+    good = sum(
+        1
+        for o in ok
+        if o.ttft * 1e3 <= settings.slo_ttft_ms and (o.tpot or 0) * 1e3 <= settings.slo_tpot_ms
+    )
+    return Cell(
+        config, placement, length, rate, len(outcomes), len(outcomes) - len(ok), mismatches,
+        *(_ms(load.percentile(ttfts, q)) for q in (50, 90, 99)),
+        *(_ms(load.percentile(tpots, q)) for q in (50, 90, 99)),
+        *(_ms(load.percentile(itls, q)) for q in (50, 90, 99)),
+        round(good / seconds, 3), round(seconds, 2), idle, busy,
+        [o.error[:300] for o in outcomes if not o.ok][:3],
+    )  # fmt: skip
+
+
+class Bench:
+    """Runs the grid over every configuration and placement; results go to `out`."""
+
+    def __init__(self, settings: Settings, out: Path, report: Report) -> None:
+        self.settings = settings
+        self.out = out
+        self.report = report
+        self.expected: dict[tuple[str, int, float], list[list[int]]] = {}
+
+    def run(self) -> list[Cell]:
+        from kvpush.demo.tinymodel import cached_tiny_model
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        model = self.settings.model or cached_tiny_model()
+        workdir = Path(tempfile.mkdtemp(prefix="kvpush-bench-serve-"))
+        lines = (self.out / "results.jsonl").open("w")
+        try:
+            # The plain instance first: its answers are the oracle.
+            for config in sorted(self.settings.configs, key=lambda c: c != "plain"):
+                for cell in self._configuration(config, workdir, model):
+                    lines.write(json.dumps(asdict(cell)) + "\n")
+                    lines.flush()
+        finally:
+            lines.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+        return self.report.results
+
+    def _configuration(self, config: str, workdir: Path, model: Path) -> list[Cell]:
+        deployment = Deployment(config, self.settings, workdir, model)
+        cells: list[Cell] = []
+        try:
+            self.report.step(f"{config}: starting")
+            target = deployment.start()
+            self._warm_up(target)
+            for placement in self.settings.placements:
+                if placement == "pinned":
+                    if not deployment.pids():
+                        continue  # attached: its placement is not ours to change
+                    deployment.pin()
+                idle = self._idle_cpu(deployment)
+                for length in self.settings.lengths:
+                    for rate in self.settings.rates:
+                        self.report.step(f"{config} {placement} {length} tok {rate:g}/s")
+                        cell = self._cell(deployment, target, placement, length, rate, idle)
+                        self.report.add(cell)
+                        cells.append(cell)
+        finally:
+            deployment.stop()
+        return cells
+
+    def _warm_up(self, target: load.Target) -> None:
+        """First requests pay for connections and caches: not part of any cell."""
+        for length in self.settings.lengths:
+            batch = load.prompts(2, length, seed=self.settings.seed + 999_999 + length)
+            asyncio.run(load.run(target, batch, [0.0, 0.1], self.settings.output_tokens))
+
+    def _idle_cpu(self, deployment: Deployment) -> dict[str, float]:
+        # vLLM's workers spin for a second after their last step (their step queue's
+        # busy loop): idle starts after that.
+        time.sleep(IDLE_SETTLE_S)
+        before = deployment.cpu_seconds()
+        time.sleep(self.settings.idle_seconds)
+        return _cores(before, deployment.cpu_seconds(), self.settings.idle_seconds)
+
+    def _cell(
+        self, deployment: Deployment, target: load.Target, placement: str, length: int,
+        rate: float, idle: dict[str, float],
+    ) -> Cell:  # fmt: skip
+        s = self.settings
+        # Fresh prompts per placement (a prefix cache must not serve the second one),
+        # the same across configurations (so answers compare).
+        seed = s.seed + PLACEMENTS.index(placement) * 1_000_003 + length * 101 + int(rate * 1000)
+        batch = load.prompts(s.requests, length, seed)
+        send_at = load.arrivals(s.requests, rate, seed)
+        before = deployment.cpu_seconds()
+        started = time.monotonic()
+        outcomes = asyncio.run(load.run(target, batch, send_at, s.output_tokens))
+        seconds = time.monotonic() - started
+        busy = _cores(before, deployment.cpu_seconds(), seconds)
+        key = (placement, length, rate)
+        if deployment.config == "plain":
+            self.expected[key] = [o.token_ids for o in outcomes]
+        return summarize(
+            deployment.config, placement, length, rate, outcomes, self.expected.get(key),
+            seconds, s, idle, busy,
+        )  # fmt: skip
+
+
+def markdown(cells: list[Cell]) -> str:
+    """The results as a Markdown table, with each TTFT p50 as a ratio to plain's."""
+    plain = {(c.placement, c.prompt_len, c.rate): c.ttft_p50_ms for c in cells
+             if c.config == "plain"}  # fmt: skip
+    rows = [
+        "| placement | prompt | rate /s | config | TTFT p50 ms | x plain | TTFT p90 | TTFT p99 "
+        "| TPOT p50 ms | TPOT p99 | ITL p99 | goodput /s | failed | mismatched | CPU idle "
+        "| CPU load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in sorted(cells, key=lambda c: (c.placement, c.prompt_len, c.rate, c.config)):
+        base = plain.get((c.placement, c.prompt_len, c.rate))
+        ratio = f"{c.ttft_p50_ms / base:.2f}" if base and c.ttft_p50_ms else "—"
+        rows.append(
+            f"| {c.placement} | {c.prompt_len} | {c.rate:g} | {c.config} | {_f(c.ttft_p50_ms)} "
+            f"| {ratio} | {_f(c.ttft_p90_ms)} | {_f(c.ttft_p99_ms)} | {_f(c.tpot_p50_ms)} "
+            f"| {_f(c.tpot_p99_ms)} | {_f(c.itl_p99_ms)} | {c.goodput_rps:g} | {c.failures} "
+            f"| {c.mismatches} | {_cpu(c.cpu_idle_cores)} | {_cpu(c.cpu_load_cores)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _f(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f}"
+
+
+def _cpu(cores: dict[str, float]) -> str:
+    return " ".join(f"{name} {value:.2f}" for name, value in sorted(cores.items())) or "—"
+
+
+def plots(cells: list[Cell], out: Path) -> list[Path]:
+    """TTFT and TPOT p50 against request rate: a panel per prompt length, a line per
+    configuration, a file per placement and metric."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kvpush bench serve: no matplotlib, no plots (pip install matplotlib)",
+              file=sys.stderr)  # fmt: skip
+        return []
+    written = []
+    for placement in sorted({c.placement for c in cells}):
+        mine = [c for c in cells if c.placement == placement]
+        lengths = sorted({c.prompt_len for c in mine})
+        for metric, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)")):
+            figure, axes = plt.subplots(
+                1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False
+            )
+            for axis, length in zip(axes[0], lengths, strict=True):
+                for config in CONFIGS:
+                    points = sorted(
+                        (c.rate, getattr(c, metric)) for c in mine
+                        if c.config == config and c.prompt_len == length
+                        and getattr(c, metric) is not None
+                    )  # fmt: skip
+                    if points:
+                        axis.plot(*zip(*points, strict=True), marker="o", label=config)
+                axis.set_title(f"{length}-token prompts, {placement}")
+                axis.set_xlabel("requests per second")
+                axis.set_ylabel(label)
+                axis.set_yscale("log")
+                axis.legend()
+            path = out / f"{metric.split('_')[0]}-{placement}.png"
+            figure.tight_layout()
+            figure.savefig(path, dpi=100)
+            plt.close(figure)
+            written.append(path)
+    return written
+
+
+def main(settings: Settings, out: Path, as_json: bool) -> int:
+    report = Report(as_json)
+    cells = Bench(settings, out, report).run()
+    table = markdown(cells)
+    (out / "table.md").write_text(table)
+    written = plots(cells, out)
+    report.finish(lambda _: print(table))
+    print(f"kvpush bench serve: results in {out} ({len(written)} plots)", file=sys.stderr)
+    failed = sum(c.failures + c.mismatches for c in cells)
+    return 1 if failed else 0
+
+
+def parse_list(text: str, kind: Callable[[str], float]) -> tuple:
+    return tuple(kind(part) for part in text.split(",") if part.strip())

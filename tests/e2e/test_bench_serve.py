@@ -1,0 +1,63 @@
+"""`kvpush bench serve` on a tiny grid: its output is right (speed is not judged here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+
+def _bench(out, *args: str) -> list[dict]:
+    command = [
+        sys.executable, "-m", "kvpush", "bench", "serve", "--json", "--requests", "4",
+        "--output-tokens", "4", "--rates", "4", "--idle-seconds", "0.5", "--out", str(out),
+        *args,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def _sane(cell: dict) -> None:
+    assert cell["failures"] == 0 and cell["mismatches"] == 0, cell
+    assert cell["requests"] == 4
+    for metric in ("ttft", "tpot", "itl"):
+        p50, p90, p99 = (cell[f"{metric}_p{q}_ms"] for q in (50, 90, 99))
+        assert 0 < p50 <= p90 <= p99, (metric, cell)
+    assert cell["goodput_rps"] >= 0
+
+
+def test_bench_serve_attached_to_running_servers(cluster, router, tmp_path):
+    single = cluster.servers["single"].url
+    cells = _bench(
+        tmp_path, "--lengths", "64,200", "--configs", "plain,push", "--placements", "colocated",
+        "--attach", f"plain={single}", "--attach", f"push={router}",
+    )  # fmt: skip
+    assert sorted((c["config"], c["prompt_len"]) for c in cells) == [
+        ("plain", 64), ("plain", 200), ("push", 64), ("push", 200),
+    ]  # fmt: skip
+    for cell in cells:
+        _sane(cell)
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("| colocated |") == 4
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == cells
+    assert (tmp_path / "ttft-colocated.png").stat().st_size > 1000
+    assert (tmp_path / "tpot-colocated.png").stat().st_size > 1000
+
+
+def test_bench_serve_starts_servers_pins_them_and_counts_their_cpu(tmp_path):
+    cells = _bench(
+        tmp_path, "--lengths", "32", "--configs", "plain", "--placements", "colocated,pinned",
+        "--prefill-cpus", "1",
+    )  # fmt: skip
+    assert [c["placement"] for c in cells] == ["colocated", "pinned"]
+    for cell in cells:
+        _sane(cell)
+        assert set(cell["cpu_load_cores"]) == {"plain"}
+        assert cell["cpu_load_cores"]["plain"] > 0  # it computed
+        assert 0 <= cell["cpu_idle_cores"]["plain"] < 0.5
