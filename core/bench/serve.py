@@ -383,7 +383,8 @@ def main(settings: Settings, out: Path, as_json: bool) -> int:
     written = plots(cells, out)
     report.finish(lambda _: print(table))
     print(f"kvpush bench serve: results in {out} ({len(written)} plots)", file=sys.stderr)
-    failed = sum(c.failures + c.mismatches for c in cells)
+    # Upstream's failures are measured and reported, not ours to fail on.
+    failed = sum(c.failures + c.mismatches for c in cells if c.config != "upstream")
     return 1 if failed else 0
 
 

@@ -13,7 +13,8 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -41,6 +42,39 @@ class LegError(Exception):
 
 
 @dataclass
+class Trace:
+    """One request's milestones at the router (monotonic seconds), for /kvpush/trace
+    and the router's histograms. Join with an instance's trace by transfer id."""
+
+    transfer_id: str = ""
+    marks: dict[str, float] = field(default_factory=lambda: {"received": time.monotonic()})
+
+    def mark(self, milestone: str) -> None:
+        self.marks.setdefault(milestone, time.monotonic())
+
+    def since(self, start: str, end: str) -> float | None:
+        if start in self.marks and end in self.marks:
+            return max(0.0, self.marks[end] - self.marks[start])
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        start = self.marks["received"]
+        return {
+            "transfer_id": self.transfer_id,
+            "ms_since_received": {k: round((v - start) * 1e3, 3) for k, v in self.marks.items()},
+        }
+
+
+# Router histograms: (name, from milestone, to milestone).
+SPANS = (
+    ("router_dispatch_seconds", "received", "decode_sent"),
+    ("router_prefill_leg_seconds", "prefill_sent", "prefill_answered"),
+    ("router_decode_first_byte_seconds", "decode_sent", "first_byte"),
+    ("router_first_byte_seconds", "received", "first_byte"),
+)
+
+
+@dataclass
 class RouterConfig:
     prefill: list[Instance]
     decode: list[Instance]
@@ -55,6 +89,7 @@ class Router:
         self.decode = Pool(config.decode)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
+        self.traces: deque[dict[str, Any]] = deque(maxlen=512)
 
     # -- application ------------------------------------------------------------------
 
@@ -65,6 +100,7 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/kvpush/trace", self.trace)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -96,6 +132,7 @@ class Router:
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
             return self._error(endpoint, 400, f"invalid JSON body: {exc}", "invalid_request_error")
+        trace = request["kvpush_trace"] = Trace()
         prefill, decode = self.prefill.pick(), self.decode.pick()
         prefill.outstanding += 1
         decode.outstanding += 1
@@ -114,6 +151,8 @@ class Router:
             decode.outstanding -= 1
             self.metrics.inc("router_in_flight", -1)
             self.metrics.observe("router_request_seconds", time.monotonic() - started)
+            trace.mark("done")
+            self._record(trace)
 
     async def models(self, request: web.Request) -> web.Response:
         instance = self.decode.pick()
@@ -142,6 +181,21 @@ class Router:
         status = 200 if prefill_ok and decode_ok else 503
         return web.json_response({"mode": self.config.mode, "instances": report}, status=status)
 
+    async def trace(self, request: web.Request) -> web.Response:
+        """The last N requests' milestones (?last=N, default 100), oldest first."""
+        try:
+            last = int(request.query.get("last", "100"))
+        except ValueError:
+            last = 100
+        return web.json_response(list(self.traces)[-last:])
+
+    def _record(self, trace: Trace) -> None:
+        for name, start, end in SPANS:
+            seconds = trace.since(start, end)
+            if seconds is not None:
+                self.metrics.observe(name, seconds)
+        self.traces.append(trace.as_dict())
+
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
             text=self.metrics.prometheus(prefix="kvpush_"), content_type="text/plain"
@@ -158,6 +212,8 @@ class Router:
         decode: Instance,
     ) -> web.StreamResponse:
         transfer_id = new_transfer_id()
+        trace: Trace = request["kvpush_trace"]
+        trace.transfer_id = transfer_id
         # Only push needs the identity up front; pull learns it from the prefill answer.
         if self.config.mode == "push" and prefill.identity is None and prefill.identity_url:
             try:
@@ -166,7 +222,9 @@ class Router:
                 log.warning("kvpush router: %s", exc.message)
         if self.config.mode == "pull" or prefill.identity is None:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
+            trace.mark("prefill_sent")
             answer = await self._post_json(prefill, endpoint, prefill_leg(body, transfer_id))
+            trace.mark("prefill_answered")
             echo = identity_from_echo(answer.get("kv_transfer_params") or {})
             if echo is None:
                 raise LegError(
@@ -190,7 +248,10 @@ class Router:
         assert prefill.identity is not None
         prefill_leg_body = prefill_leg(body, transfer_id)
         decode_leg_body = decode_leg(body, transfer_id, prefill.identity)
+        trace: Trace = request["kvpush_trace"]
+        trace.mark("prefill_sent")
         prefill_task = asyncio.ensure_future(self._post_json(prefill, endpoint, prefill_leg_body))
+        prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
         relay = asyncio.ensure_future(self._relay(request, decode, endpoint, decode_leg_body))
         try:
             done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
@@ -231,6 +292,8 @@ class Router:
         self, request: web.Request, decode: Instance, endpoint: str, leg: dict[str, Any]
     ) -> web.StreamResponse:
         """Send the decode leg and pass its answer through, streamed if it streams."""
+        trace: Trace = request["kvpush_trace"]
+        trace.mark("decode_sent")
         try:
             async with self._http().post(decode.url + endpoint, json=leg) as response:
                 if response.status >= 400:
@@ -239,12 +302,14 @@ class Router:
                     raise LegError(response.status, _upstream_message(decode, text))
                 if not leg.get("stream"):
                     payload = await response.read()
+                    trace.mark("first_byte")
                     self.metrics.inc("requests", endpoint=endpoint, status="200")
                     return web.Response(body=payload, content_type="application/json")
                 # Answer the client only once decode has produced something: until then a
                 # failed prefill leg can still become a proper error status.
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
+                trace.mark("first_byte")
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
                 await stream.write(first)

@@ -81,6 +81,7 @@ class Outcome:
     reason: str = ""
     detail: str = ""
     nbytes: int = 0
+    wall: float = field(default_factory=time.time)  # when it happened
 
 
 @dataclass

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.vllm.config import ConnectorConfig
-from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata
+from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
 from kvpush.vllm.worker import WorkerSide
@@ -132,6 +132,9 @@ class KVPushConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._work().results(finished_req_ids)
         return KVConnectorTransferResults(sending, recving, failed)
+
+    def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
+        return self._work().worker_meta()
 
     def get_handshake_metadata(self) -> KVPushHandshake | None:
         return self._work().handshake()

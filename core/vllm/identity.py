@@ -3,7 +3,9 @@
 GET /query answers this instance's kvpush identity (engine id, boot epoch, transfer
 mode, one side-channel address per TP rank), shaped like the Mooncake bootstrap
 query production routers already call. GET /kvpush/state answers how many
-transfers are in flight, for leak checks. Plain HTTP/1.1 on its own thread: it must
+transfers are in flight, for leak checks; GET /kvpush/spans where requests' time
+went, phase by phase, and GET /kvpush/trace?last=N each recent request's
+milestones (kvpush.vllm.spans). Plain HTTP/1.1 on its own thread: it must
 not depend on the engine's event loop, and it costs nothing while nobody asks.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -24,23 +27,22 @@ class IdentityServer:
         self,
         host: str,
         port: int,
-        identity: Callable[[], dict[str, Any]],
-        state: Callable[[], dict[str, Any]],
+        routes: dict[str, Callable[[dict[str, str]], Any]],
     ) -> None:
-        routes = {"/query": identity, "/kvpush/state": state}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                route = routes.get(self.path.split("?")[0])
+                path, _, query = self.path.partition("?")
+                route = routes.get(path)
                 if route is None:
                     self._answer(404, {"error": f"no such path {self.path!r}"})
                     return
                 try:
-                    self._answer(200, route())
+                    self._answer(200, route(dict(urllib.parse.parse_qsl(query))))
                 except Exception as exc:  # the engine must not die of a bad query
                     self._answer(500, {"error": repr(exc)})
 
-            def _answer(self, code: int, body: dict[str, Any]) -> None:
+            def _answer(self, code: int, body: Any) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")

