@@ -109,6 +109,8 @@ def _router(args: argparse.Namespace) -> int:
         decode=[Instance.parse(spec, "decode") for spec in args.decode],
         mode=args.mode,
         timeout_s=args.timeout,
+        cooldown_s=args.cooldown,
+        health_interval_s=args.health_interval,
     )
     run(config, args.host, args.port)
     return 0
@@ -211,7 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--mode", choices=("push", "pull"), default="push")
-    router.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    router.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a leg may stay silent before it counts as failed (not a total)",
+    )
+    router.add_argument(
+        "--cooldown", type=float, default=10.0, help="seconds a failed instance is not picked"
+    )
+    router.add_argument(
+        "--health-interval",
+        type=float,
+        default=5.0,
+        help="seconds between /health checks of every instance (0: none)",
+    )
     router.set_defaults(run=_router)
 
     demo = commands.add_parser(

@@ -57,6 +57,7 @@ class _Transfer:
     peer: str
     blocks: list[int] | None = None
     skip_blocks: int = 0
+    engine: str = ""  # the producer engine the decode leg names ("": any)
     state: str = "announced"  # announced connecting registered landing requested reading cancelling
     claimed_at: float = 0.0  # last Register/Heartbeat that extended the producer's hold
     give_up_at: float = 0.0  # max_wait_s after the blocks were allocated
@@ -102,8 +103,10 @@ class Consumer:
         blocks: list[int],
         now: float,
         skip_blocks: int = 0,
+        engine: str = "",
     ) -> list[Action]:
-        """Blocks are allocated for `transfer_id`: claim the producer's KV for them."""
+        """Blocks are allocated for `transfer_id`: claim the producer's KV for them,
+        from the producer engine `engine` only (when given)."""
         transfer = self._transfers.get(transfer_id)
         if transfer is not None and transfer.state != "announced":
             raise ProtocolError(f"transfer {transfer_id!r} is already expected")
@@ -111,6 +114,7 @@ class Consumer:
             transfer = self._transfers[transfer_id] = _Transfer(transfer_id, peer)
         transfer.blocks = list(blocks)
         transfer.skip_blocks = skip_blocks
+        transfer.engine = engine
         transfer.state = "connecting"
         transfer.give_up_at = now + self.config.max_wait_s
         self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
@@ -209,7 +213,7 @@ class Consumer:
         if isinstance(message, Complete):
             return self._on_complete(transfer, message, now)
         if isinstance(message, Failed):
-            return self._on_failed(transfer, message)
+            return self._on_failed(transfer, message, now)
         if isinstance(message, CancelAck):
             if transfer.state == "reading":
                 # The producer let go of what we are reading: the bytes cannot be trusted.
@@ -217,6 +221,8 @@ class Consumer:
                 return []
             if transfer.state != "cancelling":
                 return [Counted("rejected_messages", {"why": "unexpected_cancel_ack"})]
+            if message.may_land:
+                return self._settle_later(transfer, transfer.cancel_reason or "aborted", now)
             return self._fail(transfer, transfer.cancel_reason or "aborted")
         if isinstance(message, Grant):
             return self._on_grant(transfer, message, now)
@@ -247,15 +253,20 @@ class Consumer:
         return []
 
     def on_read_done(
-        self, transfer_id: str, ok: bool, now: float, detail: str = ""
+        self, transfer_id: str, ok: bool, now: float, detail: str = "", may_land: bool = False
     ) -> list[Action]:
-        """Pull: our READ finished (ok) or failed."""
+        """Pull: our READ finished (ok) or failed; `may_land`: it was given up on
+        unfinished, and may still copy into our blocks for a while."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None or transfer.state != "reading":
             return [Counted("unexpected_read_completion")]
         actions: list[Action] = []
         if self._ready(transfer.peer):
             actions.append(Send(transfer.peer, Release(transfer_id)))
+        if not ok and may_land:
+            return actions + self._settle_later(
+                transfer, transfer.cancel_reason or "read_failed", now
+            )
         if transfer.cancel_reason:
             return actions + self._fail(transfer, transfer.cancel_reason)
         if not ok:
@@ -314,6 +325,16 @@ class Consumer:
     def _claim(self, transfer: _Transfer, now: float) -> list[Action]:
         """Tell the producer what we want: destinations (push) or a read lease (pull)."""
         assert transfer.blocks is not None
+        hello = self._peers[transfer.peer].hello
+        theirs = hello.identity.engine_id if hello else ""
+        if transfer.engine and theirs != transfer.engine:
+            # A stale route (the instance restarted with a new engine id) or another
+            # deployment's instance on that address: its KV is not this prompt's.
+            detail = (
+                f"the producer at {transfer.peer} is engine {theirs!r}; the decode leg "
+                f"names {transfer.engine!r}"
+            )
+            return self._fail(transfer, "handshake_failed", detail)
         transfer.claimed_at = now
         if self.config.mode == "push":
             transfer.state = "registered"
@@ -353,12 +374,24 @@ class Consumer:
         self._deadlines.set(("landing", transfer.transfer_id), now + self.config.landing_s)
         return []
 
-    def _on_failed(self, transfer: _Transfer, message: Failed) -> list[Action]:
+    def _on_failed(self, transfer: _Transfer, message: Failed, now: float) -> list[Action]:
         if transfer.state == "reading":
             transfer.cancel_reason = message.reason  # our READ still runs; it ends it
             return []
+        if message.may_land:
+            # A WRITE the producer gave up on may still be landing in our blocks.
+            return self._settle_later(transfer, message.reason, now)
         # The producer wrote nothing more after saying so: the blocks are ours again.
         return self._fail(transfer, message.reason, message.detail)
+
+    def _settle_later(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
+        """Fail the transfer once a WRITE posted into its blocks can no longer land."""
+        transfer.state = "cancelling"
+        transfer.cancel_reason = reason
+        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        self._deadlines.cancel(("landing", transfer.transfer_id))
+        self._deadlines.set(("settle", transfer.transfer_id), now + self._landing_bound())
+        return []
 
     def _on_grant(self, transfer: _Transfer, message: Grant, now: float) -> list[Action]:
         if transfer.state != "requested":

@@ -134,15 +134,21 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
 
 
 class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True):
+    """The producer writes nothing more for the transfer. `may_land`: a WRITE it
+    gave up on (timed out) may still land; hold the blocks a landing's length."""
+
     transfer_id: str
+    may_land: bool = False
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
-    """The transfer is over and failed; the sender writes nothing more for it."""
+    """The transfer is over and failed; the sender writes nothing more for it.
+    `may_land` as for CancelAck."""
 
     transfer_id: str
     reason: str
     detail: str = ""
+    may_land: bool = False
 
 
 Message = Union[  # noqa: UP007 - msgspec needs the Union spelling for tagged unions

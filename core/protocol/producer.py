@@ -17,6 +17,7 @@ notification and is followed by Complete.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvpush.protocol.actions import (
@@ -43,6 +44,9 @@ from kvpush.protocol.messages import (
     encode_notif,
 )
 from kvpush.protocol.timers import Deadlines
+
+# Final-report memory: far more transfers than can end between two reports of one.
+_FINAL_MEMORY = 65536
 
 
 @dataclass
@@ -84,6 +88,9 @@ class Producer:
         self._transfers: dict[str, _Transfer] = {}
         self._tombstones: dict[str, str] = {}  # ended transfer id -> why
         self._released: set[str] = set()  # released before the engine's last layer report
+        # Transfers whose last-layer report was acted on: the engine may report the
+        # last layer twice (the layer's own hook, then the end of the step).
+        self._final_seen: OrderedDict[str, None] = OrderedDict()
         self._refused: dict[tuple[str, str], str] = {}  # (peer, id) told Failed -> why
         self._deadlines = Deadlines()
 
@@ -130,6 +137,12 @@ class Producer:
         """
         layers = self.num_layers if layers is None else min(layers, self.num_layers)
         final = layers == self.num_layers
+        if final:
+            if transfer_id in self._final_seen:
+                return [Counted("duplicate_kv_ready")]
+            self._final_seen[transfer_id] = None
+            while len(self._final_seen) > _FINAL_MEMORY:
+                self._final_seen.popitem(last=False)
         if transfer_id in self._released:
             # Released already; the engine is still reporting layers. Its last report
             # ends the story (a tombstone may have expired meanwhile: this must not).
@@ -174,9 +187,16 @@ class Producer:
         return self._end(transfer, "aborted", now, notify=True)
 
     def on_write_done(
-        self, transfer_id: str, ok: bool, now: float, detail: str = "", nbytes: int = 0
+        self,
+        transfer_id: str,
+        ok: bool,
+        now: float,
+        detail: str = "",
+        nbytes: int = 0,
+        may_land: bool = False,
     ) -> list[Action]:
-        """The WRITE in flight for `transfer_id` completed (ok) or failed."""
+        """The WRITE in flight for `transfer_id` completed (ok) or failed; `may_land`:
+        it was given up on unfinished, so its bytes may still arrive."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None or transfer.state != "writing":
             return [Counted("unexpected_write_completion")]
@@ -185,12 +205,13 @@ class Producer:
         if transfer.cancel_reason is not None:
             outcome = transfer.cancel_reason
             message: Message = (
-                CancelAck(transfer_id)
+                CancelAck(transfer_id, may_land)
                 if transfer.cancelled_by_peer
-                else Failed(transfer_id, outcome, "the prefill request was aborted")
+                else Failed(transfer_id, outcome, "the prefill request was aborted", may_land)
             )
         elif not ok:
-            message, outcome = Failed(transfer_id, "write_failed", detail), "write_failed"
+            message = Failed(transfer_id, "write_failed", detail, may_land)
+            outcome = "write_failed"
         else:
             transfer.layers_written = transfer.writing_upto
             transfer.nbytes += nbytes
@@ -477,6 +498,18 @@ class Producer:
         self._deadlines.set(("tomb", transfer_id), now + self.config.tombstone_s)
 
     # -- inspection (tests, metrics) -------------------------------------------------
+
+    def abandon(self, transfer_id: str, reason: str, detail: str, now: float) -> list[Action]:
+        """The I/O layer could not make the KV readable (a staging copy failed):
+        fail the transfer before anything reads it."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            return []
+        return self._end(transfer, reason, now, notify=True, detail=detail)
+
+    def tracks(self, transfer_id: str) -> bool:
+        """Whether the transfer is live here (its KV may still be read for a WRITE)."""
+        return transfer_id in self._transfers
 
     def holding(self) -> list[str]:
         """Transfers whose KV blocks the producer still holds."""

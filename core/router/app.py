@@ -33,12 +33,36 @@ from kvpush.router.legs import (
 log = logging.getLogger(__name__)
 
 
-class LegError(Exception):
-    """A leg failed; `status` and `message` are what the client is told."""
+# Per-request state kept on the aiohttp request (typed keys where aiohttp has them).
+_RequestKey = getattr(web, "RequestKey", None)
+TRACE: Any = _RequestKey("kvpush_trace", object) if _RequestKey else "kvpush_trace"
+ANSWERED: Any = _RequestKey("kvpush_answered", bool) if _RequestKey else "kvpush_answered"
 
-    def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:
+# Client headers both legs carry: credentials for `--api-key` servers, and the id
+# that ties the client's request to both servers' logs.
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+
+
+class LegError(Exception):
+    """A leg failed; `status` and `message` are what the client is told. `instance`
+    is the one that failed, if one did (not the client's own request)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "upstream_error",
+        instance: Instance | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+        self.instance = instance
+
+    @property
+    def retryable(self) -> bool:
+        """Another instance might do better: the instance was unreachable or failed
+        on its own (5xx), not refused the client's request (4xx)."""
+        return self.instance is not None and self.status >= 500
 
 
 @dataclass
@@ -79,7 +103,9 @@ class RouterConfig:
     prefill: list[Instance]
     decode: list[Instance]
     mode: str = "push"
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # a leg that sends nothing for this long has failed
+    cooldown_s: float = 10.0  # a failed instance is not picked for this long
+    health_interval_s: float = 5.0  # 0: no periodic health checks
 
 
 class Router:
@@ -90,6 +116,7 @@ class Router:
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self.traces: deque[dict[str, Any]] = deque(maxlen=512)
+        self._health_task: asyncio.Future | None = None
 
     # -- application ------------------------------------------------------------------
 
@@ -106,7 +133,10 @@ class Router:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        # Idle, not total: a long stream is fine as long as tokens keep coming.
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=10, sock_read=self.config.timeout_s
+        )
         self.session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
         )
@@ -117,9 +147,29 @@ class Router:
                 except LegError as exc:
                     log.warning("kvpush router: %s", exc.message)
 
+        if self.config.health_interval_s > 0:
+            self._health_task = asyncio.ensure_future(self._check_health_forever())
+
     async def _stop(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
         if self.session is not None:
             await self.session.close()
+
+    async def _check_health_forever(self) -> None:
+        """Eject an instance whose /health fails until it answers again."""
+        everyone = self.prefill.instances + self.decode.instances
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            states = await asyncio.gather(*(self._healthy(i) for i in everyone))
+            for instance, ok in zip(everyone, states, strict=True):
+                if not ok:
+                    self._eject(instance, "health_check", self.config.health_interval_s * 2)
+
+    def _eject(self, instance: Instance, why: str, seconds: float | None = None) -> None:
+        cooldown = self.config.cooldown_s if seconds is None else seconds
+        instance.ejected_until = max(instance.ejected_until, time.monotonic() + cooldown)
+        self.metrics.inc("instance_ejections", instance=instance.url, why=why)
 
     # -- endpoints --------------------------------------------------------------------
 
@@ -132,32 +182,58 @@ class Router:
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
             return self._error(endpoint, 400, f"invalid JSON body: {exc}", "invalid_request_error")
-        trace = request["kvpush_trace"] = Trace()
-        prefill, decode = self.prefill.pick(), self.decode.pick()
-        prefill.outstanding += 1
-        decode.outstanding += 1
+        trace = request[TRACE] = Trace()
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
         self.metrics.inc("router_in_flight")
         try:
-            return await asyncio.wait_for(
-                self._dispatch(request, endpoint, body, prefill, decode), self.config.timeout_s
-            )
+            return await self._dispatch_with_retry(request, endpoint, body, headers)
         except LegError as exc:
             return self._error(endpoint, exc.status, exc.message, exc.kind)
-        except asyncio.TimeoutError:
-            message = f"no answer within {self.config.timeout_s:g}s"
-            return self._error(endpoint, 504, message, "timeout")
         finally:
-            prefill.outstanding -= 1
-            decode.outstanding -= 1
             self.metrics.inc("router_in_flight", -1)
             self.metrics.observe("router_request_seconds", time.monotonic() - started)
             trace.mark("done")
             self._record(trace)
 
+    async def _dispatch_with_retry(
+        self, request: web.Request, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """One dispatch; if an instance failed it before the client saw a byte, eject it
+        and dispatch once more on another instance, with a new transfer id."""
+        failed: Instance | None = None
+        for attempt in range(2):
+            prefill = self.prefill.pick(avoid=failed if failed in self.prefill.instances else None)
+            decode = self.decode.pick(avoid=failed if failed in self.decode.instances else None)
+            prefill.outstanding += 1
+            decode.outstanding += 1
+            try:
+                response = await self._dispatch(request, endpoint, body, prefill, decode, headers)
+                for instance in (prefill, decode):
+                    self.metrics.inc("instance_outcomes", instance=instance.url, outcome="ok")
+                return response
+            except LegError as exc:
+                if exc.instance is None:
+                    raise
+                self.metrics.inc("instance_outcomes", instance=exc.instance.url, outcome="failed")
+                if not exc.retryable:
+                    raise
+                self._eject(exc.instance, "leg_failed")
+                pool = self.prefill if exc.instance.role == "prefill" else self.decode
+                if attempt or request.get(ANSWERED) or not pool.has_other(exc.instance):
+                    raise
+                failed = exc.instance
+                self.metrics.inc("retries", role=exc.instance.role)
+                log.warning("kvpush router: retrying on another instance: %s", exc.message)
+            finally:
+                prefill.outstanding -= 1
+                decode.outstanding -= 1
+        raise AssertionError("unreachable")
+
     async def models(self, request: web.Request) -> web.Response:
         instance = self.decode.pick()
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
         try:
-            async with self._http().get(instance.url + "/v1/models") as response:
+            async with self._http().get(instance.url + "/v1/models", headers=headers) as response:
                 return web.json_response(await response.json(), status=response.status)
         except aiohttp.ClientError as exc:
             return web.json_response(
@@ -210,9 +286,10 @@ class Router:
         body: dict[str, Any],
         prefill: Instance,
         decode: Instance,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
         transfer_id = new_transfer_id()
-        trace: Trace = request["kvpush_trace"]
+        trace: Trace = request[TRACE]
         trace.transfer_id = transfer_id
         # Only push needs the identity up front; pull learns it from the prefill answer.
         if self.config.mode == "push" and prefill.identity is None and prefill.identity_url:
@@ -223,7 +300,8 @@ class Router:
         if self.config.mode == "pull" or prefill.identity is None:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
             trace.mark("prefill_sent")
-            answer = await self._post_json(prefill, endpoint, prefill_leg(body, transfer_id))
+            leg = prefill_leg(body, transfer_id)
+            answer = await self._post_json(prefill, endpoint, leg, headers)
             trace.mark("prefill_answered")
             echo = identity_from_echo(answer.get("kv_transfer_params") or {})
             if echo is None:
@@ -233,8 +311,11 @@ class Router:
                     "it running KVPushConnector? (an upstream NixlConnector cannot pair)",
                 )
             prefill.identity = echo
-            return await self._relay(request, decode, endpoint, decode_leg(body, transfer_id, echo))
-        return await self._both_at_once(request, endpoint, body, transfer_id, prefill, decode)
+            leg = decode_leg(body, transfer_id, echo)
+            return await self._relay(request, decode, endpoint, leg, headers)
+        return await self._both_at_once(
+            request, endpoint, body, transfer_id, prefill, decode, headers
+        )
 
     async def _both_at_once(
         self,
@@ -244,15 +325,20 @@ class Router:
         transfer_id: str,
         prefill: Instance,
         decode: Instance,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
         assert prefill.identity is not None
         prefill_leg_body = prefill_leg(body, transfer_id)
         decode_leg_body = decode_leg(body, transfer_id, prefill.identity)
-        trace: Trace = request["kvpush_trace"]
+        trace: Trace = request[TRACE]
         trace.mark("prefill_sent")
-        prefill_task = asyncio.ensure_future(self._post_json(prefill, endpoint, prefill_leg_body))
+        prefill_task = asyncio.ensure_future(
+            self._post_json(prefill, endpoint, prefill_leg_body, headers)
+        )
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
-        relay = asyncio.ensure_future(self._relay(request, decode, endpoint, decode_leg_body))
+        relay = asyncio.ensure_future(
+            self._relay(request, decode, endpoint, decode_leg_body, headers)
+        )
         try:
             done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
@@ -275,52 +361,88 @@ class Router:
             prefill.identity = echo
             self.metrics.inc("identity_relearned")
 
-    async def _post_json(self, instance: Instance, endpoint: str, leg: dict[str, Any]) -> dict:
+    async def _post_json(
+        self, instance: Instance, endpoint: str, leg: dict[str, Any], headers: dict[str, str]
+    ) -> dict:
         try:
-            async with self._http().post(instance.url + endpoint, json=leg) as response:
+            async with self._http().post(
+                instance.url + endpoint, json=leg, headers=headers
+            ) as response:
                 text = await response.text()
                 if response.status >= 400:
                     self.metrics.inc("leg_failures", leg=instance.role, why=str(response.status))
-                    raise LegError(response.status, _upstream_message(instance, text))
+                    message = _upstream_message(instance, text)
+                    raise LegError(response.status, message, instance=instance)
                 return json.loads(text)
-        except aiohttp.ClientError as exc:
-            self.metrics.inc("leg_failures", leg=instance.role, why="unreachable")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.metrics.inc("leg_failures", leg=instance.role, why=_why(exc))
             instance.identity = None  # it may come back as a new incarnation: ask again
-            raise LegError(502, f"{instance.role} instance {instance.url} failed: {exc}") from exc
+            message = f"{instance.role} instance {instance.url} failed: {_describe(exc)}"
+            raise LegError(502, message, instance=instance) from exc
 
     async def _relay(
-        self, request: web.Request, decode: Instance, endpoint: str, leg: dict[str, Any]
+        self,
+        request: web.Request,
+        decode: Instance,
+        endpoint: str,
+        leg: dict[str, Any],
+        headers: dict[str, str],
     ) -> web.StreamResponse:
         """Send the decode leg and pass its answer through, streamed if it streams."""
-        trace: Trace = request["kvpush_trace"]
+        trace: Trace = request[TRACE]
         trace.mark("decode_sent")
+        stream: web.StreamResponse | None = None
         try:
-            async with self._http().post(decode.url + endpoint, json=leg) as response:
+            async with self._http().post(
+                decode.url + endpoint, json=leg, headers=headers
+            ) as response:
                 if response.status >= 400:
                     text = (await response.read()).decode(errors="replace")
                     self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
-                    raise LegError(response.status, _upstream_message(decode, text))
+                    message = _upstream_message(decode, text)
+                    raise LegError(response.status, message, instance=decode)
                 if not leg.get("stream"):
                     payload = await response.read()
                     trace.mark("first_byte")
                     self.metrics.inc("requests", endpoint=endpoint, status="200")
                     return web.Response(body=payload, content_type="application/json")
                 # Answer the client only once decode has produced something: until then a
-                # failed prefill leg can still become a proper error status.
+                # failed leg can still become a proper error status, or a retry.
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
                 trace.mark("first_byte")
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
+                request[ANSWERED] = True
                 await stream.write(first)
                 async for chunk in chunks:
                     await stream.write(chunk)
                 await stream.write_eof()
                 self.metrics.inc("requests", endpoint=endpoint, status="200")
                 return stream
-        except aiohttp.ClientError as exc:
-            self.metrics.inc("leg_failures", leg="decode", why="unreachable")
-            raise LegError(502, f"decode instance {decode.url} failed: {exc}") from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
+            if stream is not None:
+                return self._stream_cut(stream, decode, endpoint, exc)
+            self.metrics.inc("leg_failures", leg="decode", why=_why(exc))
+            message = f"decode instance {decode.url} failed: {_describe(exc)}"
+            raise LegError(502, message, instance=decode) from exc
+
+    def _stream_cut(
+        self, stream: web.StreamResponse, decode: Instance, endpoint: str, exc: BaseException
+    ) -> web.StreamResponse:
+        """A stream the client was already reading broke. Leaving the decode leg's
+        context closed its connection, so vLLM aborts it; whose fault was it?"""
+        upstream = (
+            aiohttp.ClientPayloadError,
+            aiohttp.ServerDisconnectedError,
+            asyncio.TimeoutError,
+        )
+        if isinstance(exc, upstream):
+            self.metrics.inc("leg_failures", leg="decode", why=_why(exc))
+            log.warning("kvpush router: decode %s broke off a stream: %s", decode.url, exc)
+        else:
+            self.metrics.inc("client_disconnects", endpoint=endpoint)
+        return stream
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -361,6 +483,16 @@ class Router:
         return web.json_response(openai_error(message, kind, status), status=status)
 
 
+def _why(exc: BaseException) -> str:
+    return "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "no answer within the idle timeout"
+    return str(exc) or type(exc).__name__
+
+
 def _upstream_message(instance: Instance, text: str) -> str:
     try:
         detail = json.loads(text).get("error", {}).get("message") or text
@@ -371,4 +503,13 @@ def _upstream_message(instance: Instance, text: str) -> str:
 
 def run(config: RouterConfig, host: str, port: int) -> None:
     """Serve until interrupted."""
-    web.run_app(Router(config).app(), host=host, port=port, print=None, handle_signals=True)
+    # handler_cancellation: a client that goes away cancels its handler, which closes
+    # both legs' connections, which makes vLLM abort them (streaming or not).
+    web.run_app(
+        Router(config).app(),
+        host=host,
+        port=port,
+        print=None,
+        handle_signals=True,
+        handler_cancellation=True,
+    )

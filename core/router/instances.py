@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +20,10 @@ class Instance:
     identity_url: str | None = None
     outstanding: int = 0
     identity: dict[str, Any] | None = field(default=None, repr=False)
+    ejected_until: float = 0.0  # monotonic time; picked again only after it
+
+    def available(self, now: float) -> bool:
+        return now >= self.ejected_until
 
     @classmethod
     def parse(cls, spec: str, role: str) -> Instance:
@@ -41,7 +46,8 @@ class Instance:
 
 
 class Pool:
-    """Least outstanding work first; round-robin among equals."""
+    """Least outstanding work first; round-robin among equals; ejected instances
+    only when nothing else is left."""
 
     def __init__(self, instances: list[Instance]) -> None:
         if not instances:
@@ -49,7 +55,13 @@ class Pool:
         self.instances = instances
         self._turn = itertools.count()
 
-    def pick(self) -> Instance:
-        least = min(i.outstanding for i in self.instances)
-        tied = [i for i in self.instances if i.outstanding == least]
+    def pick(self, avoid: Instance | None = None) -> Instance:
+        now = time.monotonic()
+        others = [i for i in self.instances if i is not avoid] or self.instances
+        candidates = [i for i in others if i.available(now)] or others
+        least = min(i.outstanding for i in candidates)
+        tied = [i for i in candidates if i.outstanding == least]
         return tied[next(self._turn) % len(tied)]
+
+    def has_other(self, instance: Instance) -> bool:
+        return any(i is not instance for i in self.instances)

@@ -126,8 +126,9 @@ class _InFlight:
     parts: list[tuple[str, int]]
 
 
-# Turns a settled NIXL transfer into the protocol machines' follow-up actions.
-Finisher = Callable[[_InFlight, bool, str, float], list[act.Action]]
+# Turns a settled NIXL transfer into the protocol machines' follow-up actions; the
+# keyword may_land says it was given up on unfinished.
+Finisher = Callable[..., list[act.Action]]
 
 
 class Node:
@@ -220,15 +221,21 @@ class Node:
         self._submit(self.consumer.announce, transfer_id, producer)
 
     def expect(
-        self, transfer_id: str, producer: str, block_ids: Sequence[int], skip_blocks: int = 0
+        self,
+        transfer_id: str,
+        producer: str,
+        block_ids: Sequence[int],
+        skip_blocks: int = 0,
+        engine: str = "",
     ) -> None:
-        """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port)."""
+        """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port),
+        which must be engine `engine` when given."""
         blocks = [int(b) for b in block_ids]
 
         def run(now: float) -> list[act.Action]:
             self._expected[transfer_id] = (blocks, now)
             self.metrics.inc("transfers_started", role="consumer")
-            return self.consumer.expect(transfer_id, producer, blocks, now, skip_blocks)
+            return self.consumer.expect(transfer_id, producer, blocks, now, skip_blocks, engine)
 
         self._submit_fn(run, transfer_id)
 
@@ -277,6 +284,9 @@ class Node:
                 if fence is not None:
                     self._fences[transfer_id][upto] = fence
                 actions += self.producer.kv_ready(transfer_id, blocks, now, wall, upto)
+                if not self.producer.tracks(transfer_id):
+                    # It ended (released, aborted): no WRITE will wait on these fences.
+                    self._fences.pop(transfer_id, None)
             self._run(actions)  # together, so their WRITEs share NIXL posts
 
         self.loop.call_soon(run)
@@ -310,6 +320,7 @@ class Node:
                 "consumer_waiting": self.consumer.waiting(),
                 "writes_in_flight": len(self._writes),
                 "reads_in_flight": len(self._reads),
+                "fences_held": len(self._fences),
                 "links": sorted(p for p, link in self._links.items() if link.ready),
             }
         )
@@ -487,14 +498,24 @@ class Node:
 
     def _run(self, actions: list[act.Action]) -> None:
         writes: list[act.PostWrite] = []
+        unreadable: set[str] = set()  # transfers whose KV could not be exposed
         for action in actions:
             if isinstance(action, act.PostWrite):
                 writes.append(action)  # posted last, together
                 continue
+            if isinstance(action, act.Send) and _transfer_of(action.message) in unreadable:
+                continue  # e.g. the Grant of KV that could not be staged
             try:
                 self._do(action)
-            except KVPushError as exc:
-                log.error("kvpush: %s failed: %s", type(action).__name__, exc)
+            except Exception as exc:  # a backend's bug must fail a transfer, not the loop
+                log.error("kvpush: %s failed: %s", type(action).__name__, exc, exc_info=True)
+                if isinstance(action, act.ExposeBlocks):
+                    unreadable.add(action.transfer_id)
+                    detail = f"staging the KV for a READ failed: {exc}"
+                    now = time.monotonic()
+                    self._run(
+                        self.producer.abandon(action.transfer_id, "write_failed", detail, now)
+                    )
         if writes:
             self._post_writes(writes)
         self._reschedule()
@@ -559,14 +580,16 @@ class Node:
                 self.backends.stage(self.kv, write.src_blocks, "to_host")
                 parts.append(self._part(link, write.transfer_id, write.src_blocks,
                                         write.dst_blocks, write.layers, write.notif))  # fmt: skip
-            except KVPushError as exc:
+            except Exception as exc:  # fencing, staging or descriptors: nothing was posted
+                if not isinstance(exc, KVPushError):
+                    log.error("kvpush: preparing a WRITE failed", exc_info=True)
                 actions += self.producer.on_write_done(write.transfer_id, False, now, str(exc))
         if not parts:
             return actions
         assert link is not None
         try:
             flight = self._post(self._writes, "WRITE", link, parts, now)
-        except KVPushError as exc:
+        except Exception as exc:  # NIXL refused the post: nothing is in flight
             for part in parts:
                 actions += self.producer.on_write_done(part.transfer_id, False, now, str(exc))
             return actions
@@ -580,7 +603,7 @@ class Node:
             part = self._part(link, action.transfer_id, action.local_blocks,
                               action.remote_blocks, None, b"")  # fmt: skip
             flight = self._post(self._reads, "READ", link, [part], now)
-        except KVPushError as exc:
+        except Exception as exc:  # nothing was posted
             self._run(self.consumer.on_read_done(action.transfer_id, False, now, str(exc)))
             return
         self._run(self._settle_if_finished(self._reads, flight, self._read_finished))
@@ -731,7 +754,7 @@ class Node:
             elif now > flight.deadline:
                 table.remove(flight)
                 self._abandon(flight.transfer)
-                actions += finished(flight, False, "timed out", now)
+                actions += finished(flight, False, "timed out", now, may_land=True)
                 progressed = True
         if progressed:
             self._run(actions)
@@ -746,21 +769,22 @@ class Node:
             log.warning("kvpush: aborting a stuck %s: %s", transfer.op, exc)
 
     def _write_finished(
-        self, flight: _InFlight, ok: bool, detail: str, now: float
+        self, flight: _InFlight, ok: bool, detail: str, now: float, may_land: bool = False
     ) -> list[act.Action]:
         actions: list[act.Action] = []
         for transfer_id, nbytes in flight.parts:
             actions += self.producer.on_write_done(
-                transfer_id, ok, now, detail, nbytes if ok else 0
+                transfer_id, ok, now, detail, nbytes if ok else 0, may_land
             )
         return actions
 
     def _read_finished(
-        self, flight: _InFlight, ok: bool, detail: str, now: float
+        self, flight: _InFlight, ok: bool, detail: str, now: float, may_land: bool = False
     ) -> list[act.Action]:
+
         actions: list[act.Action] = []
         for transfer_id, _ in flight.parts:
-            actions += self.consumer.on_read_done(transfer_id, ok, now, detail)
+            actions += self.consumer.on_read_done(transfer_id, ok, now, detail, may_land)
         return actions
 
     def _reschedule(self) -> None:
@@ -777,3 +801,7 @@ class Node:
         self._timer = self._timer_at = None
         now = time.monotonic()
         self._run(self.producer.tick(now) + self.consumer.tick(now))
+
+
+def _transfer_of(message: Any) -> str | None:
+    return getattr(message, "transfer_id", None)

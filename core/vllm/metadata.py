@@ -23,6 +23,7 @@ class Expect:
     producers: tuple[str, ...]  # side-channel address of each producer TP rank
     block_ids: tuple[int, ...]
     skip_blocks: int
+    engine: str = ""  # the producer's engine id, as the decode leg names it
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,10 @@ class SchedulerSide:
         self._consuming[request_id] = tid
         self.spans.mark(request_id, "allocated")
         producers = tuple(params["remote_addresses"])
-        self._next.expects.append(Expect(request_id, tid, producers, tuple(block_ids), first))
+        engine = str(params.get("remote_engine_id") or "")
+        self._next.expects.append(
+            Expect(request_id, tid, producers, tuple(block_ids), first, engine)
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         self._track_prefill_blocks(scheduler_output)

@@ -120,6 +120,7 @@ class WorkerSide:
                 expect.producers[self.rank],
                 expect.block_ids,
                 expect.skip_blocks,
+                expect.engine,
             )
         for tid in meta.aborts:
             node.abort(tid)

@@ -234,3 +234,16 @@ def test_equal_tensor_parallel_ranks_pair_rank_by_rank(spawn):
     consumers[1].call("expect", tid="t2", producer=producers[0].address, blocks=[3])
     failed = _one(consumers[1])
     assert failed["reason"] == "handshake_failed" and "rank" in failed["detail"]
+
+
+def test_layer_reports_after_a_transfer_ended_hold_no_fences_and_release_once(spawn):
+    """The router cancelled the prefill leg before its KV existed; the engine still
+    reports each layer (with a fence) and then the whole step, twice over."""
+    producer = spawn("producer", "prefill")
+    producer.call("abort", tid="t1")
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=1, layers=[0])
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=1)  # the last layer's hook
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=1)  # the end of the step
+    outcomes = producer.call("results", count=2, seconds=2.0, timeout=40)["outcomes"]
+    assert [(o["kind"], o["transfer_id"]) for o in outcomes] == [("released", "t1")]
+    assert producer.call("stats")["fences_held"] == 0

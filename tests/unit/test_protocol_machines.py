@@ -12,7 +12,7 @@ from protocol_sim import PRODUCER, Sim
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
-from kvpush.protocol.messages import Cancel, Complete, Failed, Grant, Register
+from kvpush.protocol.messages import Cancel, CancelAck, Complete, Failed, Grant, Register
 
 
 def test_registration_first_then_kv():
@@ -583,3 +583,50 @@ def test_a_request_given_up_before_its_session_is_up_still_frees_the_producers_k
     sends = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
     assert [(s.peer, s.message) for s in sends] == [(PRODUCER, Cancel("t1", "aborted"))]
     assert consumer.on_ready(PRODUCER, sim.producer_hello, 0.2) == []  # only once
+
+
+def test_the_last_layer_reported_twice_releases_once():
+    """The layer hook and the end of the step both report the last layer."""
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.settle()
+    assert sim.released == {"t1": "sent"}
+    sim.ready("t1")  # the end-of-step report, after the transfer completed
+    sim.settle()
+    sim.check()  # a second ReleaseBlocks is an error there
+
+
+@pytest.mark.parametrize("message", ["failed", "cancel_ack"])
+def test_a_write_given_up_on_holds_the_blocks_until_it_cannot_land(message):
+    sim = Sim()
+    consumer = sim.c.machine
+    sim.expect("t1")
+    sim.deliver()
+    if message == "failed":
+        reply = Failed("t1", "write_failed", "timed out", may_land=True)
+    else:
+        consumer.abort("t1", sim.now)
+        reply = CancelAck("t1", may_land=True)
+    assert consumer.on_message(PRODUCER, reply, sim.now) == []  # not freed yet
+    assert consumer.state_of("t1") == "cancelling"
+    later = consumer.tick(sim.now + consumer._landing_bound() + 0.01)
+    assert [type(a).__name__ for a in later] == ["TransferFailed"]
+
+
+def test_a_producer_that_is_not_the_engine_the_decode_leg_names_gets_no_claim():
+    """A stale route: the address now serves another engine (a restart, another
+    deployment). Its KV is not this prompt's, so nothing is registered with it."""
+    sim = Sim()
+    consumer = Consumer(ProtocolConfig(), "digest")
+    consumer.expect("t1", PRODUCER, [1, 2], 0.0, engine="prefill-that-was")
+    actions = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    (failed,) = actions
+    assert type(failed).__name__ == "TransferFailed" and failed.reason == "handshake_failed"
+    assert "prefill-that-was" in failed.detail
+    assert sim.producer_hello.identity.engine_id in failed.detail
+    ok = Consumer(ProtocolConfig(), "digest")
+    ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=sim.producer_hello.identity.engine_id)
+    sends = ok.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    assert [type(s.message).__name__ for s in sends] == ["Register"]

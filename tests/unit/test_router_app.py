@@ -1,0 +1,247 @@
+"""The router's own behaviour under slow, failing and departing peers.
+
+Real HTTP on loopback: the router app as `kvpush router` serves it, in front of
+small OpenAI-shaped servers whose timing and failures each test sets (the real
+vLLM pairs are in tests/e2e).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvpush.router.app import Router, RouterConfig
+from kvpush.router.instances import Instance
+
+ECHO = {"remote_engine_id": "e", "remote_epoch": "x", "transfer_mode": "push",
+        "remote_addresses": ["127.0.0.1:1"], "tp_size": 1}  # fmt: skip
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+class Fake:
+    """An OpenAI-shaped server that records what it was sent."""
+
+    def __init__(self, answer: Callable[[web.Request, dict], Awaitable[web.StreamResponse]]):
+        self.answer = answer
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.cancelled = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> Fake:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_get("/health", _healthy)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        try:
+            return await self.answer(request, body)
+        except asyncio.CancelledError:
+            self.cancelled += 1  # the router closed the connection: vLLM would abort
+            raise
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+async def prefill_ok(request: web.Request, body: dict) -> web.Response:
+    params = {**ECHO, "transfer_id": body["kv_transfer_params"]["transfer_id"]}
+    return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+
+async def decode_ok(request: web.Request, body: dict) -> web.Response:
+    return web.json_response({"choices": [{"text": "answer"}]})
+
+
+def streaming(pieces: int, gap: float):
+    async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        for i in range(pieces):
+            await asyncio.sleep(gap)
+            await stream.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    return answer
+
+
+def sleeping(seconds: float):
+    async def answer(request: web.Request, body: dict) -> web.Response:
+        await asyncio.sleep(seconds)
+        return web.json_response({"choices": [{"text": "late"}]})
+
+    return answer
+
+
+async def failing(request: web.Request, body: dict) -> web.Response:
+    return web.json_response({"error": {"message": "engine dead"}}, status=503)
+
+
+async def _serve(prefill: list[Fake], decode: list[Fake], **config: Any):
+    for fake in prefill + decode:
+        await fake.start()
+    router = Router(
+        RouterConfig(
+            [Instance(f.url, "prefill") for f in prefill],
+            [Instance(f.url, "decode") for f in decode],
+            **{"health_interval_s": 0, **config},
+        )
+    )
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return router, runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _close(runner: web.AppRunner, fakes: list[Fake]) -> None:
+    await runner.cleanup()
+    for fake in fakes:
+        await fake.stop()
+
+
+def run(coroutine) -> Any:
+    return asyncio.run(coroutine)
+
+
+def test_a_long_stream_is_not_cut_by_the_timeout_a_silent_leg_is():
+    async def scenario():
+        prefill = Fake(prefill_ok)
+        decode = Fake(streaming(pieces=6, gap=0.3))  # 1.8 s in all, never 1 s silent
+        _, runner, url = await _serve([prefill], [decode], timeout_s=1.0)
+        body = {"model": "m", "prompt": "p", "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=body) as response:
+                text = await response.text()
+            assert response.status == 200 and text.count("data: {") == 6
+            decode.answer = sleeping(3.0)
+            started = asyncio.get_running_loop().time()
+            async with http.post(url + "/v1/completions", json={**body, "stream": False}) as r:
+                assert r.status == 502
+                assert "idle timeout" in (await r.json())["error"]["message"]
+            assert asyncio.get_running_loop().time() - started < 2.5
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
+
+
+def test_credentials_and_request_id_reach_both_legs():
+    async def scenario():
+        prefill, decode = Fake(prefill_ok), Fake(decode_ok)
+        _, runner, url = await _serve([prefill], [decode])
+        headers = {"Authorization": "Bearer k", "X-Request-Id": "req-7"}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/completions", json={"prompt": "p"}, headers=headers) as r,
+        ):
+            assert r.status == 200
+        for fake in (prefill, decode):
+            got = {k.lower(): v for k, v in fake.headers[0].items()}
+            assert got["authorization"] == "Bearer k", got
+            assert got["x-request-id"] == "req-7", got
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
+
+
+def test_a_failed_instance_is_retried_elsewhere_with_a_new_transfer_and_ejected():
+    async def scenario():
+        prefill = Fake(prefill_ok)
+        broken, healthy = Fake(failing), Fake(decode_ok)
+        router, runner, url = await _serve([prefill], [broken, healthy], cooldown_s=30)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(url + "/v1/completions", json={"prompt": "p"}) as r:
+                    assert r.status == 200, await r.text()
+        assert len(broken.bodies) == 1  # tried once, then left alone for the cool-down
+        tids = [b["kv_transfer_params"]["transfer_id"] for b in prefill.bodies]
+        assert len(set(tids)) == len(tids) == 4  # the retry minted its own transfer id
+        metrics = router.metrics.prometheus(prefix="kvpush_")
+        assert f'kvpush_instance_ejections_total{{instance="{broken.url}",why="leg_failed"}} 1' in (
+            metrics
+        )
+        assert f'instance="{broken.url}",outcome="failed"' in metrics
+        await _close(runner, [prefill, broken, healthy])
+
+    run(scenario())
+
+
+def test_a_client_error_is_not_retried():
+    async def scenario():
+        async def refuse(request, body):
+            return web.json_response({"error": {"message": "bad max_tokens"}}, status=400)
+
+        prefill, decode_a, decode_b = Fake(prefill_ok), Fake(refuse), Fake(refuse)
+        _, runner, url = await _serve([prefill], [decode_a, decode_b])
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/completions", json={"prompt": "p"}) as r,
+        ):
+            assert r.status == 400
+        assert len(decode_a.bodies) + len(decode_b.bodies) == 1
+        await _close(runner, [prefill, decode_a, decode_b])
+
+    run(scenario())
+
+
+def test_a_non_streaming_client_that_leaves_aborts_the_decode_leg():
+    async def scenario():
+        prefill, decode = Fake(prefill_ok), Fake(sleeping(5.0))
+        _, runner, url = await _serve([prefill], [decode])
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            with pytest.raises(asyncio.TimeoutError):
+                async with http.post(url + "/v1/completions", json={"prompt": "p"}) as r:
+                    await r.read()
+        for _ in range(40):
+            if decode.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert decode.cancelled == 1
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
+
+
+def test_a_client_leaving_mid_stream_is_not_a_decode_failure():
+    async def scenario():
+        prefill, decode = Fake(prefill_ok), Fake(streaming(pieces=50, gap=0.05))
+        router, runner, url = await _serve([prefill], [decode])
+        body = {"prompt": "p", "stream": True}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/completions", json=body) as response,
+        ):
+            await response.content.readline()  # one event, then walk away
+        for _ in range(60):
+            if decode.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert decode.cancelled == 1
+        metrics = router.metrics.prometheus(prefix="kvpush_")
+        assert 'leg="decode"' not in metrics
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
