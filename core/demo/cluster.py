@@ -105,15 +105,20 @@ class Cluster:
         timeout_s: float = 120.0,
         name: str = "router",
     ) -> str:
-        """Start (or restart) the router `name` in front of the named servers; its URL."""
+        """Start (or restart) the router `name` in front of the named servers (or of
+        other instances, given as router specs: "http://..."); its URL."""
         self.stop_router(name)
         port = free_port()
         command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
                    "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
         for server in prefill:
-            command += ["--prefill", self.prefill_spec(server)]
+            spec = server if server.startswith("http") else self.prefill_spec(server)
+            command += ["--prefill", spec]
         for server in decode:
-            command += ["--decode", self.servers[server].url]
+            command += [
+                "--decode",
+                server if server.startswith("http") else self.servers[server].url,
+            ]
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
         router = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

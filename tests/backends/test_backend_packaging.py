@@ -17,7 +17,11 @@ from kvpush.errors import BackendError
 ROOT = Path(__file__).parents[2]
 DEVICE_WORDS = re.compile(r"cuda|neuron|trainium|inferentia|(?<![a-z])xla", re.IGNORECASE)
 # Names the core must use because another project chose them.
-FOREIGN_NAMES = {"requires_piecewise_for_cudagraph"}  # vLLM's KV connector API
+# Other libraries' names that happen to contain a device word.
+FOREIGN_NAMES = {
+    "requires_piecewise_for_cudagraph",  # vLLM's KV connector API
+    "set_xlabel",  # matplotlib's axes
+}
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

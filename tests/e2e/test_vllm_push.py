@@ -24,6 +24,7 @@ from conftest import (
 )
 
 from kvpush.bench.cpu import tree_cpu_seconds
+from kvpush.demo.cluster import free_port
 from kvpush.demo.servers import MODEL_NAME
 
 # Servers take minutes to start on 2 cores; the first test pays for the session.
@@ -181,12 +182,13 @@ def test_client_disconnect_aborts_both_legs_and_frees_blocks(cluster, router, cl
 
 def _in_flight_while(client, router, action, wait: float) -> list:
     """Run `action` `wait` seconds after eight long requests went out; their responses
-    (or transport errors), once every request is over."""
+    (or transport errors), once every request is over. Each generates 1400 tokens
+    (seconds of decoding), so `action` lands while all of them are running."""
     responses: list = []
 
     def send(i: int) -> None:
         try:
-            responses.append(client.complete(router, prompt(600, 100 + i), max_tokens=300))
+            responses.append(client.complete(router, prompt(600, 100 + i), max_tokens=1400))
         except httpx.HTTPError as exc:
             responses.append(exc)
 
@@ -300,6 +302,58 @@ def test_spans_say_where_a_requests_time_went_at_the_router_and_both_instances(
         assert all(summary[f"{name}.{p}"]["count"] >= 1 for p in phases), summary
     metrics = client.http.get(router + "/metrics").text
     assert "kvpush_router_first_byte_seconds_count" in metrics
+
+
+def test_a_dead_instance_is_failed_over_and_ejected(cluster, client):
+    """Half the instances behind this router are gone (nothing listens there): every
+    request still answers, from the live pair, and the dead ones are ejected."""
+    dead_prefill = f"http://127.0.0.1:{free_port()},bootstrap={free_port()}"
+    dead_decode = f"http://127.0.0.1:{free_port()}"
+    router = cluster.start_router(
+        [dead_prefill, "prefill"], [dead_decode, "decode"], name="failover"
+    )
+    try:
+        single = cluster.servers["single"].url
+        for i in range(6):
+            assert client.tokens(router, prompt(150, 950 + i)) == client.tokens(
+                single, prompt(150, 950 + i)
+            )
+        metrics = client.http.get(router + "/metrics").text
+        assert "kvpush_instance_ejections_total" in metrics
+        assert "kvpush_retries_total" in metrics
+    finally:
+        cluster.stop_router("failover")
+    _both_drained(cluster, client)
+
+
+@pytest.fixture
+def api_key_pair(cluster):
+    """A prefill and a decode that refuse requests without the API key."""
+    for name, role, core in (("key_prefill", "kv_producer", 0), ("key_decode", "kv_consumer", 1)):
+        server = cluster.add_server(name, role, core=core, **PREFILL_TIMERS)
+        server.spec.extra_args = ["--api-key", "sk-kvpush-test"]
+    try:
+        cluster.start("key_prefill", "key_decode")
+        yield cluster.start_router(["key_prefill"], ["key_decode"], name="key")
+    finally:
+        cluster.stop_router("key")
+        for name in ("key_prefill", "key_decode"):
+            cluster.servers.pop(name).stop()
+
+
+def test_an_api_key_reaches_both_legs(cluster, api_key_pair, client):
+    tokens = prompt(220, 960)
+    body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    url = api_key_pair + "/v1/completions"
+    assert client.http.post(url, json=body).status_code == 401
+    key = {"Authorization": "Bearer sk-kvpush-test", "X-Request-Id": "kvpush-e2e-key"}
+    response = client.http.post(url, json=body, headers=key)
+    assert response.status_code == 200, response.text
+    expected = client.tokens(cluster.servers["single"].url, tokens)
+    assert response.json()["choices"][0]["token_ids"] == expected
+    delivered = _counter(client, cluster.servers["key_decode"].url, "vllm:kvpush_delivered_total")
+    assert delivered == 1  # the KV was pushed, not recomputed
 
 
 def _counter(client: Client, url: str, name: str) -> float:
