@@ -15,7 +15,8 @@ import msgspec
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout
 
-# 2: PullRequest names the blocks the consumer holds already (skip_blocks).
+# 2: PullRequest names the blocks the consumer holds already (skip_blocks); NIXL
+#    metadata moves out of Hello into AgentMetadata, after Verify.
 PROTOCOL_VERSION = 2
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
@@ -51,17 +52,33 @@ class Identity(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """First message each way: who I am, how I transfer, where my KV lives."""
+    """First message each way: who I am, how I transfer, how my KV is laid out.
+
+    Not the NIXL metadata that opens my memory to the peer: a hello signed with the
+    shared secret may be a replay, so that comes in AgentMetadata, once the peer has
+    proved it holds the secret in this very session (see docs/protocol.md).
+    """
 
     identity: Identity
     mode: str
     role: str  # "producer" | "consumer" | "both"
     agent_name: str
-    agent_metadata: bytes
     layout: KVLayout
     nonce: bytes
     lease_s: float
     registration_ttl_s: float
+
+
+class Verify(msgspec.Struct, tag="verify", frozen=True):
+    """The acceptor's first message under the session's keys: proof that it holds
+    the secret and is answering this session, not replaying an old hello."""
+
+
+class AgentMetadata(msgspec.Struct, tag="agent_metadata", frozen=True):
+    """The sender's NIXL agent metadata: what lets the peer reach its memory. Sent
+    only under the session's keys, after the peer proved itself."""
+
+    metadata: bytes
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -153,6 +170,8 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 Message = Union[  # noqa: UP007 - msgspec needs the Union spelling for tagged unions
     Hello,
+    Verify,
+    AgentMetadata,
     Reject,
     Register,
     PullRequest,
@@ -255,6 +274,8 @@ def check(message: Message) -> None:
             raise ProtocolError(f"unknown transfer mode {message.mode!r}")
         if len(message.nonce) < 16:
             raise ProtocolError("hello nonce is too short")
+    if isinstance(message, AgentMetadata) and not message.metadata:
+        raise ProtocolError("empty NIXL agent metadata")
     if isinstance(message, Register | Grant):
         check_block_lists(message.block_ids)
     if isinstance(message, (Register, PullRequest)) and message.skip_blocks < 0:

@@ -33,7 +33,16 @@ from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
 from kvpush.protocol.handshake import pairing_problem
-from kvpush.protocol.messages import Hello, Identity, Message, Reject, join_notifs, split_notifs
+from kvpush.protocol.messages import (
+    AgentMetadata,
+    Hello,
+    Identity,
+    Message,
+    Reject,
+    Verify,
+    join_notifs,
+    split_notifs,
+)
 from kvpush.protocol.producer import Producer
 from kvpush.transport.agent import AgentConfig, NixlAgent, PreparedList, Transfer
 from kvpush.transport.channel import Connection, Listener, connect
@@ -94,6 +103,9 @@ class _Link:
     outgoing: bool
     ready: bool = False
     hello: Hello | None = None
+    # Handshake: "hello" (waiting for the peer's), then the initiator waits for
+    # "verify" and both for "metadata"; ready once NIXL is paired.
+    stage: str = "hello"
     agent_peer: str = ""
     split: bool = False
     remote_table: BlockTable | None = None
@@ -348,7 +360,6 @@ class Node:
             mode=self.config.protocol.mode,
             role=self.config.role,
             agent_name=self.agent.name,
-            agent_metadata=self._metadata,
             layout=self.kv.layout,
             nonce=session.nonce,
             lease_s=self.config.protocol.lease_s,
@@ -406,35 +417,64 @@ class Node:
             self._run(self.producer.on_message(link.peer, message, now))
 
     def _handshake(self, link: _Link, message: Message) -> None:
+        """Hellos first; NIXL metadata (which opens our memory to the peer) only once
+        the peer has proved, under this session's keys, that it holds the secret:
+
+            initiator -> acceptor   Hello
+            acceptor  -> initiator  Hello, Verify
+            initiator -> acceptor   AgentMetadata
+            acceptor  -> initiator  AgentMetadata
+        """
         if isinstance(message, Reject):
             self._refuse(link, f"the peer refused to pair: {message.reason}", tell=False)
             return
-        if not isinstance(message, Hello):
-            self._refuse(link, f"expected a hello, got {type(message).__name__}")
+        expected = {"hello": Hello, "verify": Verify, "metadata": AgentMetadata}[link.stage]
+        if not isinstance(message, expected):
+            got = type(message).__name__
+            self._refuse(link, f"expected {expected.__name__} in the handshake, got {got}")
             return
+        if isinstance(message, Hello):
+            self._on_hello(link, message)
+        elif isinstance(message, Verify):
+            link.stage = "metadata"
+            self._send(link, AgentMetadata(self._metadata))
+        else:
+            self._on_metadata(link, message)
+
+    def _on_hello(self, link: _Link, hello: Hello) -> None:
         mine = self._hello(link.session)
-        problem = pairing_problem(mine, message)
-        if problem is None:
-            try:
-                self._pair_nixl(link, message)
-            except KVPushError as exc:
-                problem = f"NIXL pairing failed: {exc}"
+        problem = pairing_problem(mine, hello)
         if problem is not None:
             self.metrics.inc("handshakes", result="refused")
             self._refuse(link, problem)
             return
+        link.hello = hello
+        if link.outgoing:
+            link.stage = "verify"
+            return
+        self._send(link, mine)
+        self._send(link, Verify())
+        link.stage = "metadata"
+
+    def _on_metadata(self, link: _Link, message: AgentMetadata) -> None:
+        assert link.hello is not None
+        try:
+            self._pair_nixl(link, link.hello, message.metadata)
+        except KVPushError as exc:
+            self.metrics.inc("handshakes", result="refused")
+            self._refuse(link, f"NIXL pairing failed: {exc}")
+            return
         if not link.outgoing:
-            self._send(link, mine)
+            self._send(link, AgentMetadata(self._metadata))
         link.ready = True
-        link.hello = message
         self.metrics.inc("handshakes", result="ok")
         now = time.monotonic()
         if link.outgoing:
-            self._run(self.consumer.on_ready(link.peer, message, now))
+            self._run(self.consumer.on_ready(link.peer, link.hello, now))
         else:
-            self._run(self.producer.on_ready(link.peer, message, now))
+            self._run(self.producer.on_ready(link.peer, link.hello, now))
 
-    def _pair_nixl(self, link: _Link, hello: Hello) -> None:
+    def _pair_nixl(self, link: _Link, hello: Hello, metadata: bytes) -> None:
         assert self.agent is not None
         if hello.agent_name in self.agent.peers:
             # Already paired over another link (a kv_both peer dialled us too). Agent
@@ -442,7 +482,7 @@ class Node:
             # keep the other link's prepared descriptors valid.
             link.agent_peer = hello.agent_name
         else:
-            link.agent_peer = self.agent.add_peer(hello.agent_metadata)
+            link.agent_peer = self.agent.add_peer(metadata)
         link.split = pairing_split(self.kv.layout, hello.layout)
         link.remote_table = BlockTable(hello.layout, link.split)
         link.remote_list = self.agent.prepare(

@@ -58,8 +58,9 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 class Client:
     """OpenAI-style calls with greedy, deterministic settings."""
 
-    def __init__(self, timeout: float = 180.0) -> None:
-        self.http = httpx.Client(timeout=timeout)
+    def __init__(self, timeout: float = 180.0, connections: int = 100) -> None:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.http = httpx.Client(timeout=timeout, limits=limits)
 
     def complete(self, url: str, tokens: list[int], max_tokens: int = 12, **extra: Any) -> dict:
         body = {

@@ -27,7 +27,9 @@ def _sane(cell: dict) -> None:
     assert cell["requests"] == 4
     for metric in ("ttft", "tpot", "itl"):
         p50, p90, p99 = (cell[f"{metric}_p{q}_ms"] for q in (50, 90, 99))
-        assert 0 < p50 <= p90 <= p99, (metric, cell)
+        # Tokens that reach the client in one read share a time: TPOT may be 0.
+        low = 0 if metric == "ttft" else -1e-9
+        assert low < p50 <= p90 <= p99, (metric, cell)
     assert cell["goodput_rps"] >= 0
 
 

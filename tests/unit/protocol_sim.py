@@ -35,7 +35,6 @@ def hello(role: str, mode: str, blocks: int, name: str, base: int, config: Proto
         mode=mode,
         role=role,
         agent_name=name,
-        agent_metadata=b"md",
         layout=layout(blocks, base),
         nonce=b"n" * 16,
         lease_s=config.lease_s,
