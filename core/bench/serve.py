@@ -97,6 +97,9 @@ class Cell:
     cpu_idle_cores: dict[str, float]
     cpu_load_cores: dict[str, float]
     errors: list[str]
+    # kvpush instances: where this cell's requests' time went on each (GET
+    # /kvpush/spans, counted afresh every cell).
+    spans: dict[str, dict] = field(default_factory=dict)
 
 
 class Deployment:
@@ -169,6 +172,20 @@ class Deployment:
                 "decode": self.settings.decode_cpus}  # fmt: skip
         for name, pid in self.pids().items():
             pin_tree(pid, parse_cpus(cpus[name]))
+
+    def spans(self) -> dict[str, dict]:
+        """Each kvpush instance's per-phase summary, where it serves one."""
+        import urllib.request
+
+        found = {}
+        for name in self.cluster.identity_ports:
+            try:
+                url = self.cluster.identity_url(name) + "/kvpush/spans?reset=1"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    found[name] = json.loads(response.read())
+            except (OSError, ValueError):
+                continue  # an older kvpush, or not serving: nothing to add
+        return found
 
     def cpu_seconds(self) -> dict[str, float]:
         return {name: tree_cpu_seconds(pid) for name, pid in self.pids().items()}
@@ -289,6 +306,7 @@ class Bench:
         seed = s.seed + PLACEMENTS.index(placement) * 1_000_003 + length * 101 + int(rate * 1000)
         batch = load.prompts(s.requests, length, seed)
         send_at = load.arrivals(s.requests, rate, seed)
+        deployment.spans()  # start this cell's span counts afresh
         before = deployment.cpu_seconds()
         started = time.monotonic()
         outcomes = asyncio.run(load.run(target, batch, send_at, s.output_tokens))
@@ -297,10 +315,12 @@ class Bench:
         key = (placement, length, rate)
         if deployment.config == "plain":
             self.expected[key] = [o.token_ids for o in outcomes]
-        return summarize(
+        cell = summarize(
             deployment.config, placement, length, rate, outcomes, self.expected.get(key),
             seconds, s, idle, busy,
         )  # fmt: skip
+        cell.spans = deployment.spans()
+        return cell
 
 
 def markdown(cells: list[Cell]) -> str:

@@ -86,7 +86,7 @@ class SchedulerSide:
             routes = {
                 "/query": lambda _: self.identity(),
                 "/kvpush/state": lambda _: self.state(),
-                "/kvpush/spans": lambda _: self.spans.summary(),
+                "/kvpush/spans": lambda q: self.spans.summary(reset=q.get("reset") == "1"),
                 "/kvpush/trace": lambda q: self.spans.trace(int(q.get("last", 100))),
             }
             self.identity_server = IdentityServer(

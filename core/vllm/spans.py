@@ -108,8 +108,9 @@ class Spans:
         """The last `last` finished requests' milestones and spans, oldest first."""
         return list(self._recent)[-last:]
 
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Per phase over recent complete requests: count, mean, p50, p99 (ms)."""
+    def summary(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """Per phase over recent complete requests: count, mean, p50, p99 (ms); with
+        `reset`, start counting afresh (a benchmark's next cell)."""
         out = {}
         for key, samples in sorted(self._samples.items()):
             ordered = sorted(samples)
@@ -119,4 +120,6 @@ class Spans:
                 "p50_ms": round(1e3 * ordered[len(ordered) // 2], 3),
                 "p99_ms": round(1e3 * ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)], 3),
             }
+        if reset:
+            self._samples.clear()
         return out

@@ -56,3 +56,14 @@ def test_a_request_off_the_path_is_traced_but_not_counted():
     with pytest.raises(ValueError, match="not a prefill milestone"):
         spans.begin("r2", "prefill", "t")
         spans.mark("r2", "landed")
+
+
+def test_a_summary_can_start_the_count_afresh():
+    counter = itertools.count()
+    spans = Spans(clock=lambda: float(next(counter)))
+    spans.begin("r1", "prefill", "t")
+    for milestone in ("computing", "computed", "released"):
+        spans.mark("r1", milestone)
+    assert spans.summary(reset=True)["prefill.send"]["count"] == 1
+    assert spans.summary() == {}
+    assert len(spans.trace()) == 1  # the trace keeps its requests
