@@ -8,9 +8,11 @@ them for as long as they need them, so that at most five share the two cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,14 @@ class Client:
                     )
         return "".join(pieces)
 
+    def metric(self, url: str, name: str) -> float:
+        """A Prometheus metric of a server's /metrics, summed over its labels."""
+        total = 0.0
+        for line in self.http.get(url + "/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
     def state(self, identity_url: str) -> dict:
         return self.http.get(identity_url + "/kvpush/state").json()
 
@@ -118,6 +128,32 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     finally:
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def extra_pair(
+    cluster: Cluster,
+    name: str,
+    mode: str = "push",
+    policy: str = "fail",
+    extra_args: tuple[str, ...] = (),
+    **timers: float,
+) -> Iterator[str]:
+    """A prefill (`<name>_prefill`, core 0) and a decode (`<name>_decode`, core 1)
+    beside the session's servers, and a router `name` in front: its URL. Stopped on
+    leaving, so that at most five servers share the two cores."""
+    prefill, decode = f"{name}_prefill", f"{name}_decode"
+    cluster.add_server(prefill, "kv_producer", core=0, mode=mode, **timers)
+    cluster.add_server(decode, "kv_consumer", core=1, mode=mode, policy=policy, **timers)
+    for server in (prefill, decode):
+        cluster.servers[server].spec.extra_args = list(extra_args)
+    try:
+        cluster.start(prefill, decode)
+        yield cluster.start_router([prefill], [decode], mode=mode, name=name)
+    finally:
+        cluster.stop_router(name)
+        for server in (prefill, decode):
+            cluster.servers.pop(server).stop()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import time
 
 import pytest
-from conftest import Client, prompt
+from conftest import Client, extra_pair, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -21,20 +21,8 @@ SHORT = {"lease_s": 4.0, "registration_ttl_s": 4.0, "watchdog_s": 4.0, "heartbea
 
 @pytest.fixture(scope="module")
 def overload_pair(cluster):
-    cluster.add_server("busy_prefill", "kv_producer", core=0, **SHORT)
-    cluster.add_server("busy_decode", "kv_consumer", core=1, policy="fail", **SHORT)
-    try:
-        cluster.start("busy_prefill", "busy_decode")
-        yield cluster.start_router(["busy_prefill"], ["busy_decode"], name="busy")
-    finally:
-        cluster.stop_router("busy")
-        for name in ("busy_prefill", "busy_decode"):
-            cluster.servers.pop(name).stop()
-
-
-def _metric(client, url: str, name: str) -> float:
-    lines = client.http.get(url + "/metrics").text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+    with extra_pair(cluster, "busy", **SHORT) as url:
+        yield url
 
 
 def test_a_queue_three_times_every_timer_completes_with_no_expiry(cluster, overload_pair, client):
@@ -53,8 +41,8 @@ def test_a_queue_three_times_every_timer_completes_with_no_expiry(cluster, overl
     for p, answer in zip(prompts[:8], answers[:8], strict=True):
         assert answer.json()["choices"][0]["token_ids"] == client.tokens(single, p, 4)
     decode = cluster.servers["busy_decode"].url
-    assert _metric(client, decode, "vllm:kvpush_failed_total") == 0
-    assert _metric(client, decode, "vllm:kvpush_delivered_total") == len(prompts)
+    assert client.metric(decode, "vllm:kvpush_failed_total") == 0
+    assert client.metric(decode, "vllm:kvpush_delivered_total") == len(prompts)
     for name in ("busy_prefill", "busy_decode"):
         state = client.wait_drained(cluster.identity_url(name))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import (
     DECODE_TIMERS,
-    PREFILL_TIMERS,
     assert_request_shapes_match,
     assert_shared_prefixes_match,
+    extra_pair,
     prompt,
 )
 
@@ -19,15 +19,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 @pytest.fixture(scope="module")
 def pull_pair(cluster):
-    cluster.add_server("pull_prefill", "kv_producer", core=0, mode="pull", **PREFILL_TIMERS)
-    cluster.add_server(
-        "pull_decode", "kv_consumer", core=1, mode="pull", policy="fail", **DECODE_TIMERS
-    )
-    cluster.start("pull_prefill", "pull_decode")
-    yield cluster.start_router(["pull_prefill"], ["pull_decode"], mode="pull", name="pull")
-    cluster.stop_router("pull")
-    for name in ("pull_prefill", "pull_decode"):
-        cluster.servers.pop(name).stop()
+    with extra_pair(cluster, "pull", mode="pull", **DECODE_TIMERS) as url:
+        yield url
 
 
 def test_pull_outputs_equal_a_single_instance(cluster, pull_pair, client):

@@ -19,6 +19,7 @@ from conftest import (
     Client,
     assert_request_shapes_match,
     assert_shared_prefixes_match,
+    extra_pair,
     perturbed_copy,
     prompt,
 )
@@ -141,7 +142,7 @@ def test_load_failure_recompute_policy_still_answers_correctly(cluster, client):
         "remote_epoch": identity["epoch"], "remote_addresses": identity["addresses"],
         "tp_size": identity["tp_size"],
     }  # fmt: skip
-    before = _counter(client, decode.url, "vllm:kvpush_failed_total")
+    before = client.metric(decode.url, "vllm:kvpush_failed_total")
     started = time.monotonic()
     response = client.complete(decode.url, tokens, kv_transfer_params=params)
     assert response.status_code == 200, response.text
@@ -149,7 +150,7 @@ def test_load_failure_recompute_policy_still_answers_correctly(cluster, client):
         cluster.servers["single"].url, tokens
     )
     assert time.monotonic() - started < 60  # the watchdog, not a hang
-    assert _counter(client, decode.url, "vllm:kvpush_failed_total") == before + 1
+    assert client.metric(decode.url, "vllm:kvpush_failed_total") == before + 1
     _both_drained(cluster, client)
 
 
@@ -248,7 +249,7 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     single = cluster.servers["single"].url
     prompts = [prompt(400, 700 + i) for i in range(8)]
     expected = [client.tokens(single, p) for p in prompts]
-    delivered_before = _counter(client, decode.url, "vllm:kvpush_delivered_total")
+    delivered_before = client.metric(decode.url, "vllm:kvpush_delivered_total")
     legs = []
     for i in range(len(prompts)):
         params = {
@@ -274,7 +275,7 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
         got = [answer.result() for answer in answers]
     assert cores < 0.5, f"decode used {cores:.2f} cores while its requests waited for KV"
     assert [r.json()["choices"][0]["token_ids"] for r in got] == expected
-    delivered = _counter(client, decode.url, "vllm:kvpush_delivered_total") - delivered_before
+    delivered = client.metric(decode.url, "vllm:kvpush_delivered_total") - delivered_before
     assert delivered == len(prompts), "some requests were recomputed, not pushed"
     _both_drained(cluster, client)
 
@@ -329,16 +330,9 @@ def test_a_dead_instance_is_failed_over_and_ejected(cluster, client):
 @pytest.fixture
 def api_key_pair(cluster):
     """A prefill and a decode that refuse requests without the API key."""
-    for name, role, core in (("key_prefill", "kv_producer", 0), ("key_decode", "kv_consumer", 1)):
-        server = cluster.add_server(name, role, core=core, **PREFILL_TIMERS)
-        server.spec.extra_args = ["--api-key", "sk-kvpush-test"]
-    try:
-        cluster.start("key_prefill", "key_decode")
-        yield cluster.start_router(["key_prefill"], ["key_decode"], name="key")
-    finally:
-        cluster.stop_router("key")
-        for name in ("key_prefill", "key_decode"):
-            cluster.servers.pop(name).stop()
+    extra = ("--api-key", "sk-kvpush-test")
+    with extra_pair(cluster, "key", extra_args=extra, **PREFILL_TIMERS) as url:
+        yield url
 
 
 def test_an_api_key_reaches_both_legs(cluster, api_key_pair, client):
@@ -352,13 +346,5 @@ def test_an_api_key_reaches_both_legs(cluster, api_key_pair, client):
     assert response.status_code == 200, response.text
     expected = client.tokens(cluster.servers["single"].url, tokens)
     assert response.json()["choices"][0]["token_ids"] == expected
-    delivered = _counter(client, cluster.servers["key_decode"].url, "vllm:kvpush_delivered_total")
+    delivered = client.metric(cluster.servers["key_decode"].url, "vllm:kvpush_delivered_total")
     assert delivered == 1  # the KV was pushed, not recomputed
-
-
-def _counter(client: Client, url: str, name: str) -> float:
-    total = 0.0
-    for line in client.http.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
