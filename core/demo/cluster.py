@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,9 +24,38 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now that no process will be handed by the kernel meanwhile.
+
+    Servers bind their ports a minute after they are chosen; a port from the
+    kernel's ephemeral range can be given to someone else's connection or port-0
+    listener (vLLM's, NIXL's, kvpush's own) in between. So pick below that range,
+    and never the same one twice in this process.
+    """
+    low, _ = _ephemeral_range()
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise KVPushError("no free port below the ephemeral range")
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = (int(x) for x in ports.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def kvpush_transfer_config(

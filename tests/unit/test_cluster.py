@@ -38,3 +38,13 @@ def test_transfer_config_names_the_connector_and_validates_the_role():
         assert "kv_role must be one of" in str(exc)
     else:
         raise AssertionError("an unknown role was accepted")
+
+
+def test_ports_are_chosen_below_the_kernels_ephemeral_range_and_never_twice():
+    """Servers bind their ports long after they are chosen: a port the kernel may
+    hand to another process's connection meanwhile would collide."""
+    from kvpush.demo.cluster import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
