@@ -190,12 +190,10 @@ class SchedulerSide:
         for request_id in self.spans.waiting_for("scheduled", after="landed"):
             if request_id in scheduled:
                 self.spans.mark(request_id, "scheduled")
-        for request_id in self._producing:
-            if request_id in scheduled:
-                self.spans.mark(request_id, "computing")
         for request_id, producing in self._producing.items():
-            if producing.signalled or request_id not in scheduler_output.num_scheduled_tokens:
+            if producing.signalled or request_id not in scheduled:
                 continue
+            self.spans.mark(request_id, "computing")
             if self._completes_prefill(scheduler_output, request_id):
                 producing.signalled = True
                 self._next.produces.append(
