@@ -106,7 +106,10 @@ class KVPushConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        # What the scheduler hands out, to check the tensors against.
+        block_size = self._vllm_config.cache_config.block_size
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", 0) or 0
+        self._work().register_kv_caches(kv_caches, block_size, num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

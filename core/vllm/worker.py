@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from kvpush.errors import KVPushError
+from kvpush.errors import ConfigError, KVPushError
 from kvpush.plugins import Backends, get_backends
 from kvpush.protocol.auth import load_secret
 from kvpush.runtime.node import Node, NodeConfig
@@ -28,6 +28,25 @@ log = logging.getLogger(__name__)
 # [num_blocks, kv_heads, block_size, K and V packed]; strides say how it really lies.
 VLLM_KV_DIMS = ("blocks", "heads", "tokens", "kvdim")
 ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+
+def check_blocks_match(
+    tensor_tokens: int, tensor_blocks: int, block_size: int, blocks: int
+) -> None:
+    """Refuse a KV cache whose blocks are not the scheduler's: block ids would then
+    name other tokens than vLLM means, and kvpush would move the wrong KV."""
+    if block_size and tensor_tokens != block_size:
+        raise ConfigError(
+            f"the KV cache tensors hold {tensor_tokens} tokens per block, but vLLM's "
+            f"scheduler hands out blocks of {block_size} tokens (a kernel block size "
+            "that differs from the KV cache manager's, as in hybrid models): kvpush "
+            "cannot map block ids onto this cache"
+        )
+    if blocks and tensor_blocks < blocks:
+        raise ConfigError(
+            f"the KV cache tensors hold {tensor_blocks} blocks, but vLLM's scheduler "
+            f"hands out ids up to {blocks - 1}: kvpush cannot map block ids onto this cache"
+        )
 
 
 class WorkerSide:
@@ -68,10 +87,15 @@ class WorkerSide:
 
     # -- set-up ---------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, Any], block_size: int = 0, num_blocks: int = 0
+    ) -> None:
+        """Describe and register the engine's KV cache; `block_size` and `num_blocks`
+        are what vLLM's scheduler hands out (0: unknown, not checked)."""
         self.backends.init_runtime(self.device_type)
         self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
+        check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
         port = self.config.port + self.rank if self.config.port else 0
         node_config = NodeConfig(
             engine_id=self.engine_id,
@@ -89,9 +113,11 @@ class WorkerSide:
         self._layer_index = {name: i for i, name in enumerate(kv.layout.layer_names)}
         where = self.node.address if self.role != "consumer" else "(dials out)"
         log.info(
-            "kvpush: rank %d %s on %s (%s path), %d layers x %d blocks, side channel %s",
+            "kvpush: rank %d %s on %s (%s path), %d layers x %d blocks of %d tokens "
+            "(the scheduler's: %s of %s), side channel %s",
             self.rank, self.role, kv.device, kv.path, len(kv.layout.layers),
-            kv.layout.num_blocks, where,
+            kv.layout.num_blocks, kv.layout.tokens_per_block, num_blocks or "?",
+            block_size or "?", where,
         )  # fmt: skip
 
     def handshake(self) -> KVPushHandshake | None:

@@ -323,3 +323,15 @@ def test_the_scheduler_traces_a_decode_leg_through_every_phase():
     (trace,) = side.spans.trace()
     assert trace["transfer_id"] == "xfer-1"
     assert list(trace["spans_ms"]) == ["queued", "kv_wait", "to_step", "generate"]
+
+
+def test_a_kv_cache_whose_blocks_are_not_the_schedulers_is_refused_by_name():
+    from kvpush.errors import ConfigError
+    from kvpush.vllm.worker import check_blocks_match
+
+    check_blocks_match(128, 8192, 128, 8192)  # as on this machine: fine
+    check_blocks_match(128, 8192, 0, 0)  # nothing known to check against
+    with pytest.raises(ConfigError, match=r"16 tokens per block.*blocks of 128 tokens"):
+        check_blocks_match(16, 65536, 128, 8192)
+    with pytest.raises(ConfigError, match=r"hold 100 blocks.*ids up to 8191"):
+        check_blocks_match(128, 100, 128, 8192)
