@@ -48,10 +48,15 @@ class Histogram:
         self.samples.append(value)
 
     def quantile(self, q: float) -> float | None:
-        if not self.samples:
-            return None
-        ordered = sorted(self.samples)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return quantile(self.samples, q)
+
+
+def quantile(samples: Iterable[float], q: float) -> float | None:
+    """The sample at rank q (0-1) of the sorted samples; None for none."""
+    ordered = sorted(samples)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Metrics:

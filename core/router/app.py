@@ -183,7 +183,7 @@ class Router:
         except ValueError as exc:
             return self._error(endpoint, 400, f"invalid JSON body: {exc}", "invalid_request_error")
         trace = request[TRACE] = Trace()
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers = _forwarded(request)
         self.metrics.inc("router_in_flight")
         try:
             return await self._dispatch_with_retry(request, endpoint, body, headers)
@@ -231,7 +231,7 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         instance = self.decode.pick()
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers = _forwarded(request)
         try:
             async with self._http().get(instance.url + "/v1/models", headers=headers) as response:
                 return web.json_response(await response.json(), status=response.status)
@@ -481,6 +481,10 @@ class Router:
     def _error(self, endpoint: str, status: int, message: str, kind: str) -> web.Response:
         self.metrics.inc("requests", endpoint=endpoint, status=str(status))
         return web.json_response(openai_error(message, kind, status), status=status)
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
 
 
 def _why(exc: BaseException) -> str:

@@ -62,9 +62,8 @@ class SchedulerSide:
         self.epoch = os.urandom(4).hex()
         self._ids = EngineTransfers()
         self._producing: dict[str, _Producing] = {}
-        self._unsent: set[str] = set()  # prefill legs without a usable transfer id
+        self._admitted: set[str] = set()  # requests whose leg was looked at, once
         self._sending: set[str] = set()  # delay-freed prefill requests
-        self._legs: dict[str, str] = {}  # decode request id -> its transfer id ("" if refused)
         self._announced: dict[str, str] = {}  # decode request id -> transfer id, not allocated
         self._consuming: dict[str, str] = {}  # decode request id -> transfer id, allocated
         self._followers: dict[str, str] = {}  # decode request id -> its sibling 0's
@@ -187,9 +186,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         self._track_prefill_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
-        for request_id in self.spans.waiting_for("scheduled", after="landed"):
-            if request_id in scheduled:
-                self.spans.mark(request_id, "scheduled")
+        self.spans.scheduled(scheduled)
         for request_id, producing in self._producing.items():
             if producing.signalled or request_id not in scheduled:
                 continue
@@ -221,13 +218,12 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         request_id = request.request_id
         self._ids.forget(request_id)
-        self._unsent.discard(request_id)
+        self._admitted.discard(request_id)
         producing = self._producing.pop(request_id, None)
         if producing is not None:
             return self._prefill_finished(request, producing, block_ids)
         self.spans.mark(request_id, "finished")
         self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
-        self._legs.pop(request_id, None)
         self._followers.pop(request_id, None)
         tid = self._consuming.pop(request_id, None)
         if tid is not None:
@@ -260,20 +256,20 @@ class SchedulerSide:
 
     def _admit_prefill(self, request: Any, params: dict[str, Any]) -> None:
         request_id = request.request_id
-        if request_id in self._producing or request_id in self._unsent:
+        if request_id in self._admitted:
             return
+        self._admitted.add(request_id)
         try:
             base = params.get("transfer_id")
             check_transfer_id(base if isinstance(base, str) else "")
         except ProtocolError:
-            self._unsent.add(request_id)
             log.error(
                 "kvpush: prefill request %s has no valid transfer_id in kv_transfer_params; "
                 "its KV will not be sent",
                 request_id,
             )
             return
-        tid, _, _ = self._ids.assign(request, base)
+        tid, _ = self._ids.assign(request, base)
         prompt_len = len(request.prompt_token_ids or ())
         self._producing[request_id] = _Producing(tid, base, prompt_len)
         self._next.pending.append(tid)
@@ -282,17 +278,16 @@ class SchedulerSide:
     def _admit_decode(self, request: Any, params: dict[str, Any]) -> None:
         """Name a decode leg's transfer and announce it to the producer, once."""
         request_id = request.request_id
-        if request_id in self._legs:
+        if request_id in self._admitted:
             return
+        self._admitted.add(request_id)
         problem = _decode_leg_problem(params, self.config.protocol.mode, self.world)
         if problem is not None:
-            self._legs[request_id] = ""
             self._rejected[request_id] = problem
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
             return
-        tid, _, leader = self._ids.assign(request, params["transfer_id"])
-        self._legs[request_id] = tid
-        if leader is not None and leader in self._legs:
+        tid, leader = self._ids.assign(request, params["transfer_id"])
+        if leader is not None and leader in self._admitted:
             # A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
             # once; this one reads it from the prefix cache. Should prefill have made a
             # copy for it too, let it go at once.

@@ -20,9 +20,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvpush.metrics import quantile
 
 MILESTONES = {
     "decode": ("arrived", "allocated", "landed", "scheduled", "finished"),
@@ -68,6 +70,7 @@ class Spans:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._open: dict[str, _Timeline] = {}
+        self._landed: set[str] = set()  # decode requests landed, not yet scheduled
         self._recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         self._samples: dict[str, deque[float]] = {}
 
@@ -83,12 +86,18 @@ class Spans:
         if milestone not in MILESTONES[timeline.role]:
             raise ValueError(f"{milestone!r} is not a {timeline.role} milestone")
         timeline.marks[milestone] = self._clock() if at is None else at
+        if milestone == "landed":
+            self._landed.add(request_id)
+        elif milestone == "scheduled":
+            self._landed.discard(request_id)
         if milestone == MILESTONES[timeline.role][-1]:
             self._close(request_id)
 
-    def waiting_for(self, milestone: str, after: str) -> list[str]:
-        """Requests that reached `after` but not `milestone` yet."""
-        return [r for r, t in self._open.items() if after in t.marks and milestone not in t.marks]
+    def scheduled(self, request_ids: Container[str]) -> None:
+        """A step was scheduled: landed requests among `request_ids` reached theirs.
+        Looks only at landed requests, not every open one: it runs every step."""
+        for request_id in [r for r in self._landed if r in request_ids]:
+            self.mark(request_id, "scheduled")
 
     def drop(self, request_id: str) -> None:
         """The request ended off the path (aborted, recomputed): keep what it got to."""
@@ -97,6 +106,7 @@ class Spans:
 
     def _close(self, request_id: str) -> None:
         timeline = self._open.pop(request_id)
+        self._landed.discard(request_id)
         self._recent.append({"request_id": request_id, **timeline.as_dict()})
         if not timeline.complete():
             return
@@ -113,12 +123,11 @@ class Spans:
         `reset`, start counting afresh (a benchmark's next cell)."""
         out = {}
         for key, samples in sorted(self._samples.items()):
-            ordered = sorted(samples)
             out[key] = {
-                "count": len(ordered),
-                "mean_ms": round(1e3 * sum(ordered) / len(ordered), 3),
-                "p50_ms": round(1e3 * ordered[len(ordered) // 2], 3),
-                "p99_ms": round(1e3 * ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)], 3),
+                "count": len(samples),
+                "mean_ms": round(1e3 * sum(samples) / len(samples), 3),
+                "p50_ms": round(1e3 * quantile(samples, 0.50), 3),
+                "p99_ms": round(1e3 * quantile(samples, 0.99), 3),
             }
         if reset:
             self._samples.clear()

@@ -52,10 +52,11 @@ class EngineTransfers:
     def __init__(self, memory: int = _MEMORY) -> None:
         self._memory = memory
         self._counts: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
-        self._of: dict[str, tuple[str, int, str | None]] = {}
+        self._of: dict[str, tuple[str, str | None]] = {}
 
-    def assign(self, request: Any, base: str) -> tuple[str, int, str | None]:
-        """(engine transfer id, k, request id of sibling 0) for `request`; stable."""
+    def assign(self, request: Any, base: str) -> tuple[str, str | None]:
+        """(engine transfer id, request id of its sibling 0 or None) for `request`;
+        the same however often it is asked."""
         known = self._of.get(request.request_id)
         if known is not None:
             return known
@@ -68,7 +69,7 @@ class EngineTransfers:
         occurrence = len(seen)
         leader = seen[0] if seen else None
         seen.append(request.request_id)
-        assigned = (engine_transfer_id(base, digest, occurrence), occurrence, leader)
+        assigned = (engine_transfer_id(base, digest, occurrence), leader)
         self._of[request.request_id] = assigned
         return assigned
 
