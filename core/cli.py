@@ -90,6 +90,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         decode_cpus=args.decode_cpus,
         model=Path(args.model) if args.model else None,
         vllm_args=tuple(arg for chunk in args.vllm_args for arg in chunk.split()),
+        kv_extra=_json_object("--kv-extra", args.kv_extra),
         attach=attach,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
@@ -98,6 +99,18 @@ def _bench_serve(args: argparse.Namespace) -> int:
     )
     out = Path(args.out or f"kvpush-bench-serve-{time.strftime('%Y%m%d-%H%M%S')}")
     return serve.main(settings, out, args.json)
+
+
+def _json_object(option: str, text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KVPushError(f"{option} must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise KVPushError(f"{option} must be a JSON object, got {text!r}")
+    return value
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -182,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="a local model directory (default: the tiny model)")
     serve.add_argument(
         "--vllm-args", action="append", default=[], help="extra `vllm serve` arguments"
+    )
+    serve.add_argument(
+        "--kv-extra",
+        metavar="JSON",
+        help="more kvpush connector settings, e.g. '{\"idle_wait_s\": 0}'",
     )
     serve.add_argument(
         "--attach",

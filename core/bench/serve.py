@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvpush.bench import load
 from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
@@ -54,6 +55,7 @@ class Settings:
     decode_cpus: str = "1"
     model: Path | None = None  # None: the tiny model, built on the spot
     vllm_args: tuple[str, ...] = ()
+    kv_extra: dict[str, Any] = field(default_factory=dict)  # more kvpush connector settings
     attach: dict[str, str] = field(default_factory=dict)  # config -> URL already serving
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 100.0
@@ -125,8 +127,9 @@ class Deployment:
             cluster.start()
             self.target = load.Target(cluster.servers["plain"].url)
         elif self.config in ("push", "pull"):
-            self._server("prefill", "kv_producer", s.prefill_cpus, mode=self.config)
-            self._server("decode", "kv_consumer", s.decode_cpus, mode=self.config)
+            kv = {**s.kv_extra, "mode": self.config}
+            self._server("prefill", "kv_producer", s.prefill_cpus, **kv)
+            self._server("decode", "kv_consumer", s.decode_cpus, **kv)
             cluster.start()
             router = cluster.start_router(["prefill"], ["decode"], mode=self.config)
             self.target = load.Target(router)
@@ -140,7 +143,7 @@ class Deployment:
             )
         return self.target
 
-    def _server(self, name: str, role: str | None, cpus: str, **kv: str) -> None:
+    def _server(self, name: str, role: str | None, cpus: str, **kv: Any) -> None:
         server = self.cluster.add_server(name, role, core=cpus, **kv)
         self._fit(server)
 

@@ -32,6 +32,8 @@ class ConnectorConfig:
     layerwise: push each layer's KV as soon as it is computed (default true).
     idle_wait_s: longest an engine step that has nothing to compute but transfers to
         wait for sleeps until a transfer ends (default 0.02; 0 turns the wait off).
+    park_workers: let an idle worker sleep on its step queue instead of spinning
+        through those waits (default true; reaches into vLLM's private queue).
     nixl_backends: NIXL backends to use (default: the device backend's choice).
     ucx_error_handling: "none" (default, fastest here) or "peer".
     device_options: passed to the device backend (e.g. {"staging": "host"}).
@@ -46,6 +48,7 @@ class ConnectorConfig:
     secret: str | None = None
     layerwise: bool = True
     idle_wait_s: float = 0.02
+    park_workers: bool = True
     nixl_backends: tuple[str, ...] = ()
     ucx_error_handling: str = "none"
     device_options: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +84,7 @@ def _checked(key: str, value: Any) -> Any:
         "identity_port": int,
         "secret": str,
         "layerwise": bool,
+        "park_workers": bool,
         "ucx_error_handling": str,
     }
     if key in expected:

@@ -93,7 +93,8 @@ class WorkerSide:
         """Describe and register the engine's KV cache; `block_size` and `num_blocks`
         are what vLLM's scheduler hands out (0: unknown, not checked)."""
         self.backends.init_runtime(self.device_type)
-        self._parking = Parking.find()  # vLLM's worker loop is on the stack now
+        if self.config.park_workers:
+            self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
         check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
         port = self.config.port + self.rank if self.config.port else 0
