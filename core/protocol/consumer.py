@@ -58,6 +58,7 @@ class _Transfer:
     blocks: list[int] | None = None
     skip_blocks: int = 0
     engine: str = ""  # the producer engine the decode leg names ("": any)
+    epoch: str = ""  # and that engine's boot ("": any)
     state: str = "announced"  # announced connecting registered landing requested reading cancelling
     claimed_at: float = 0.0  # last Register/Heartbeat that extended the producer's hold
     give_up_at: float = 0.0  # max_wait_s after the blocks were allocated
@@ -104,9 +105,10 @@ class Consumer:
         now: float,
         skip_blocks: int = 0,
         engine: str = "",
+        epoch: str = "",
     ) -> list[Action]:
         """Blocks are allocated for `transfer_id`: claim the producer's KV for them,
-        from the producer engine `engine` only (when given)."""
+        from the producer engine `engine` in its boot `epoch` only (each when given)."""
         transfer = self._transfers.get(transfer_id)
         if transfer is not None and transfer.state != "announced":
             raise ProtocolError(f"transfer {transfer_id!r} is already expected")
@@ -115,6 +117,7 @@ class Consumer:
         transfer.blocks = list(blocks)
         transfer.skip_blocks = skip_blocks
         transfer.engine = engine
+        transfer.epoch = epoch
         transfer.state = "connecting"
         transfer.give_up_at = now + self.config.max_wait_s
         self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
@@ -325,16 +328,11 @@ class Consumer:
     def _claim(self, transfer: _Transfer, now: float) -> list[Action]:
         """Tell the producer what we want: destinations (push) or a read lease (pull)."""
         assert transfer.blocks is not None
-        hello = self._peers[transfer.peer].hello
-        theirs = hello.identity.engine_id if hello else ""
-        if transfer.engine and theirs != transfer.engine:
-            # A stale route (the instance restarted with a new engine id) or another
-            # deployment's instance on that address: its KV is not this prompt's.
-            detail = (
-                f"the producer at {transfer.peer} is engine {theirs!r}; the decode leg "
-                f"names {transfer.engine!r}"
-            )
-            return self._fail(transfer, "handshake_failed", detail)
+        problem = _not_the_named_producer(transfer, self._peers[transfer.peer].hello)
+        if problem:
+            # A stale route (the instance restarted, or another deployment's instance
+            # now has that address): its KV is not this prompt's.
+            return self._fail(transfer, "handshake_failed", problem)
         transfer.claimed_at = now
         if self.config.mode == "push":
             transfer.state = "registered"
@@ -500,3 +498,19 @@ class Consumer:
     def state_of(self, transfer_id: str) -> str | None:
         transfer = self._transfers.get(transfer_id)
         return transfer.state if transfer else None
+
+
+def _not_the_named_producer(transfer: _Transfer, hello: Hello | None) -> str:
+    """Why the peer that said `hello` is not the producer the decode leg names, or ""."""
+    engine, epoch = (hello.identity.engine_id, hello.identity.epoch) if hello else ("", "")
+    if transfer.engine and engine != transfer.engine:
+        return (
+            f"the producer at {transfer.peer} is engine {engine!r}; the decode leg "
+            f"names {transfer.engine!r}"
+        )
+    if transfer.epoch and epoch != transfer.epoch:
+        return (
+            f"the producer at {transfer.peer} restarted: it is in boot {epoch!r}, the "
+            f"decode leg names boot {transfer.epoch!r}"
+        )
+    return ""

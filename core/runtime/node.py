@@ -239,15 +239,18 @@ class Node:
         block_ids: Sequence[int],
         skip_blocks: int = 0,
         engine: str = "",
+        epoch: str = "",
     ) -> None:
         """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port),
-        which must be engine `engine` when given."""
+        which must be engine `engine` in boot `epoch` when given."""
         blocks = [int(b) for b in block_ids]
 
         def run(now: float) -> list[act.Action]:
             self._expected[transfer_id] = (blocks, now)
             self.metrics.inc("transfers_started", role="consumer")
-            return self.consumer.expect(transfer_id, producer, blocks, now, skip_blocks, engine)
+            return self.consumer.expect(
+                transfer_id, producer, blocks, now, skip_blocks, engine, epoch
+            )
 
         self._submit_fn(run, transfer_id)
 

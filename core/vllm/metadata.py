@@ -24,6 +24,7 @@ class Expect:
     block_ids: tuple[int, ...]
     skip_blocks: int
     engine: str = ""  # the producer's engine id, as the decode leg names it
+    epochs: tuple[str, ...] = ()  # each producer rank's boot, as the decode leg names them
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
 
 
 @dataclass
@@ -81,6 +82,10 @@ class SchedulerSide:
 
     def set_handshakes(self, handshakes: dict[int, KVPushHandshake]) -> None:
         self._ranks = dict(handshakes)
+        if handshakes and all(h.epoch for h in handshakes.values()):
+            # This boot, as decode legs will name it: every rank's own, so a decode
+            # worker can check the one it pairs with.
+            self.epoch = EPOCH_SEPARATOR.join(handshakes[r].epoch for r in sorted(handshakes))
         if self.config.identity_port and self.identity_server is None:
             routes = {
                 "/query": lambda _: self.identity(),
@@ -179,8 +184,9 @@ class SchedulerSide:
         self.spans.mark(request_id, "allocated")
         producers = tuple(params["remote_addresses"])
         engine = str(params.get("remote_engine_id") or "")
+        epochs = tuple(str(params.get("remote_epoch") or "").split(EPOCH_SEPARATOR))
         self._next.expects.append(
-            Expect(request_id, tid, producers, tuple(block_ids), first, engine)
+            Expect(request_id, tid, producers, tuple(block_ids), first, engine, epochs)
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:

@@ -142,12 +142,14 @@ class WorkerSide:
             node.announce(announce.transfer_id, announce.producers[self.rank])
         for expect in meta.expects:
             self._receiver_of[expect.transfer_id] = expect.request_id
+            epochs = expect.epochs
             node.expect(
                 expect.transfer_id,
                 expect.producers[self.rank],
                 expect.block_ids,
                 expect.skip_blocks,
                 expect.engine,
+                epochs[self.rank] if len(epochs) == self.world else "",
             )
         for tid in meta.aborts:
             node.abort(tid)

@@ -630,3 +630,20 @@ def test_a_producer_that_is_not_the_engine_the_decode_leg_names_gets_no_claim():
     ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=sim.producer_hello.identity.engine_id)
     sends = ok.on_ready(PRODUCER, sim.producer_hello, 0.1)
     assert [type(s.message).__name__ for s in sends] == ["Register"]
+
+
+def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim():
+    """Same engine id (set by its operator), new boot: the KV the leg names died with
+    the old one."""
+    sim = Sim()
+    ident = sim.producer_hello.identity
+    consumer = Consumer(ProtocolConfig(), "digest")
+    consumer.expect("t1", PRODUCER, [1, 2], 0.0, engine=ident.engine_id, epoch="boot-before")
+    (failed,) = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    assert failed.reason == "handshake_failed" and "restarted" in failed.detail
+    assert "boot-before" in failed.detail and repr(ident.epoch) in failed.detail
+    ok = Consumer(ProtocolConfig(), "digest")
+    ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=ident.engine_id, epoch=ident.epoch)
+    assert [type(s.message).__name__ for s in ok.on_ready(PRODUCER, sim.producer_hello, 0.1)] == [
+        "Register"
+    ]

@@ -247,6 +247,23 @@ def test_prefill_echo_names_the_routers_transfer_id_not_the_engines():
     assert echo["transfer_id"] == "xfer-9"
 
 
+def test_the_boot_a_decode_leg_names_reaches_each_worker_rank():
+    prefill = SchedulerSide(ConnectorConfig.from_extra({}), "engine-p", BLOCK, 2)
+    prefill.set_handshakes(
+        {r: KVPushHandshake(r, 2, f"10.0.0.5:710{r}", f"boot{r}", f"agent-{r}") for r in (0, 1)}
+    )
+    assert prefill.identity()["epoch"] == "boot0-boot1"
+    decode = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 2)
+    params = _decode_params(
+        remote_epoch=prefill.epoch, remote_addresses=["10.0.0.5:7100", "10.0.0.5:7101"]
+    )
+    request = _request("d1", 300, params)
+    decode.on_new_request(request)
+    decode.update_state_after_alloc(request, _blocks([1, 2, 3]), 300)
+    (expect,) = decode.build_connector_meta(_step()).expects
+    assert expect.engine == "engine-p" and expect.epochs == ("boot0", "boot1")
+
+
 def _waiting_decode(side: SchedulerSide) -> None:
     request = _request("d1", 300, _decode_params())
     side.on_new_request(request)
