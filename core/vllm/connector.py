@@ -58,7 +58,13 @@ class KVPushConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             cache = vllm_config.cache_config
             self._scheduler = SchedulerSide(
-                config, engine_id, cache.block_size, world, bool(cache.enable_prefix_caching)
+                config,
+                engine_id,
+                cache.block_size,
+                world,
+                prefix_caching=bool(cache.enable_prefix_caching),
+                consumer_only=transfer.kv_role == "kv_consumer",
+                recompute_on_failure=transfer.kv_load_failure_policy == "recompute",
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -143,7 +149,10 @@ class KVPushConnector(KVConnectorBase_V1):
         return self._work().handshake()
 
     def get_kv_connector_stats(self) -> KVPushStats | None:
-        return self._worker.stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.stats()
+        counts = self._sched().stats()
+        return KVPushStats(data=counts) if counts else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -10,12 +10,15 @@ kv_transfer_params, the two-leg contract (docs/routing.md):
   decode leg    {"do_remote_prefill": true, "transfer_id": T, "transfer_mode": M,
                  "remote_engine_id": E, "remote_epoch": X, "remote_addresses": [...]}
 and the prefill response echoes the producer's identity in the decode-leg shape.
+A prefill leg with no transfer_id (a sequential orchestrator sending upstream
+NixlConnector's shape) gets one named here, so the echo it forwards still moves KV.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +28,7 @@ from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
 from kvpush.vllm.spans import Spans
-from kvpush.vllm.transfers import EngineTransfers
+from kvpush.vllm.transfers import EngineTransfers, api_request_id
 from kvpush.vllm.wake import Doorbell
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,19 @@ class SchedulerSide:
         block_size: int,
         world: int,
         prefix_caching: bool = True,
+        consumer_only: bool = False,
+        recompute_on_failure: bool = False,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.world = world
         self.prefix_caching = prefix_caching
+        self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
+        self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
+        self.recomputes: Counter[str] = Counter()  # reason -> decode prompts computed here
+        self._named_transfers = 0  # prefill legs that came without a transfer id
+        self._warned: set[str] = set()
         self.epoch = os.urandom(4).hex()
         self._ids = EngineTransfers()
         self._producing: dict[str, _Producing] = {}
@@ -135,6 +145,12 @@ class SchedulerSide:
             self._admit_prefill(request, params)
         elif params.get("do_remote_prefill"):
             self._admit_decode(request, params)
+        elif self.consumer_only:
+            self._recomputed(
+                "no_kv_transfer_params",
+                f"request {request.request_id} came with no kv_transfer_params: its "
+                "orchestrator did not forward the prefill answer's; computing the prompt here",
+            )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -254,9 +270,18 @@ class SchedulerSide:
             self.spans.mark(request_id, "released")
         failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
-            self._consuming.pop(request_id, None)
+            transfer = self._consuming.pop(request_id, None)
             if request_id not in failed:
                 self.spans.mark(request_id, "landed")  # if no worker stamped it
+            elif transfer is not None and self.recompute_on_failure:
+                self.recomputes["transfer_failed"] += 1
+
+    def stats(self) -> dict[str, dict[str, int]] | None:
+        """Decode prompts computed here since the last call, by reason (None: none)."""
+        if not self.recomputes:
+            return None
+        counts, self.recomputes = dict(self.recomputes), Counter()
+        return {"recomputed": counts}
 
     # -- internals ----------------------------------------------------------------------
 
@@ -265,14 +290,17 @@ class SchedulerSide:
         if request_id in self._admitted:
             return
         self._admitted.add(request_id)
+        base = params.get("transfer_id")
+        if base is None:
+            base = self._name_transfer(request_id)
         try:
-            base = params.get("transfer_id")
             check_transfer_id(base if isinstance(base, str) else "")
         except ProtocolError:
             log.error(
-                "kvpush: prefill request %s has no valid transfer_id in kv_transfer_params; "
-                "its KV will not be sent",
+                "kvpush: prefill request %s has an invalid transfer_id %r in "
+                "kv_transfer_params; its KV will not be sent",
                 request_id,
+                base,
             )
             return
         tid, _ = self._ids.assign(request, base)
@@ -281,16 +309,38 @@ class SchedulerSide:
         self._next.pending.append(tid)
         self.spans.begin(request_id, "prefill", base)
 
+    def _name_transfer(self, request_id: str) -> str:
+        """A transfer id for a prefill leg that brought none, alike for every engine
+        request of one API request (a list's prompts, n's choices), as the decode leg
+        will get only one echo for them all."""
+        if not self._named_transfers:
+            log.info(
+                "kvpush: prefill legs come without a transfer_id (a sequential "
+                "orchestrator): naming their transfers here and echoing them to decode"
+            )
+        self._named_transfers += 1
+        return api_request_id(request_id)
+
+    def _recomputed(self, reason: str, message: str) -> None:
+        """A decode prompt no transfer serves: say so (once in the log, always in metrics)."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("kvpush: %s (counted in vllm:kvpush_local_recomputes_total)", message)
+        self.recomputes[reason] += 1
+
     def _admit_decode(self, request: Any, params: dict[str, Any]) -> None:
         """Name a decode leg's transfer and announce it to the producer, once."""
         request_id = request.request_id
         if request_id in self._admitted:
             return
         self._admitted.add(request_id)
-        problem = _decode_leg_problem(params, self.config.protocol.mode, self.world)
-        if problem is not None:
+        found = _decode_leg_problem(params, self.config.protocol.mode, self.world)
+        if found is not None:
+            reason, problem = found
             self._rejected[request_id] = problem
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
+            if self.recompute_on_failure:
+                self.recomputes[reason] += 1
             return
         tid, leader = self._ids.assign(request, params["transfer_id"])
         if leader is not None and leader in self._admitted:
@@ -368,11 +418,12 @@ def _status(request: Any) -> str:
     return getattr(request.status, "name", str(request.status))
 
 
-def _decode_leg_problem(params: dict[str, Any], mode: str, world: int) -> str | None:
-    """Why a decode leg's kv_transfer_params cannot be served by kvpush, or None."""
+def _decode_leg_problem(params: dict[str, Any], mode: str, world: int) -> tuple[str, str] | None:
+    """Why a decode leg's kv_transfer_params cannot be served by kvpush, as (a short
+    reason for metrics, a message for people), or None."""
     missing = [k for k in ("transfer_id", "remote_addresses") if k not in params]
     if missing:
-        return (
+        return "not_kvpush_params", (
             f"kv_transfer_params lack {missing} (keys: {sorted(params)}): the prefill "
             "instance is not running KVPushConnector (an upstream NixlConnector, say), and "
             "a KVPushConnector decode instance cannot pair with it"
@@ -380,15 +431,15 @@ def _decode_leg_problem(params: dict[str, Any], mode: str, world: int) -> str | 
     try:
         check_transfer_id(params["transfer_id"] if isinstance(params["transfer_id"], str) else "")
     except ProtocolError as exc:
-        return str(exc)
+        return "bad_transfer_id", str(exc)
     theirs = params.get("transfer_mode", "push")
     if theirs != mode:
-        return (
+        return "mode_mismatch", (
             f"transfer mode mismatch: the prefill instance is in {theirs} mode, this one in {mode}"
         )
     addresses = params["remote_addresses"]
     if not isinstance(addresses, list) or len(addresses) != world or not all(addresses):
-        return (
+        return "bad_addresses", (
             f"remote_addresses must list one side-channel address per tensor-parallel rank "
             f"({world} here), got {addresses!r}"
         )

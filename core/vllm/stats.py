@@ -18,6 +18,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "handshakes_refused")
 SAMPLES = ("done_to_ready_s",)
+BY_REASON = ("recomputed",)  # the scheduler's: decode prompts computed locally, per reason
 
 
 @dataclass
@@ -27,6 +28,8 @@ class KVPushStats(KVConnectorStats):
             self.data.setdefault(key, 0)
         for key in SAMPLES:
             self.data.setdefault(key, [])
+        for key in BY_REASON:
+            self.data.setdefault(key, {})
 
     def reset(self) -> None:
         self.data = {}
@@ -37,6 +40,11 @@ class KVPushStats(KVConnectorStats):
             self.data[key] += other.data.get(key, 0)
         for key in SAMPLES:
             self.data[key] = self.data[key] + list(other.data.get(key, []))
+        for key in BY_REASON:
+            merged = dict(self.data[key])
+            for reason, count in (other.data.get(key) or {}).items():
+                merged[reason] = merged.get(reason, 0) + count
+            self.data[key] = merged
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -44,10 +52,12 @@ class KVPushStats(KVConnectorStats):
         samples = self.data["done_to_ready_s"]
         if samples:
             summary["done_to_ready_p50_ms"] = round(1e3 * statistics.median(samples), 3)
+        for reason, count in sorted(self.data["recomputed"].items()):
+            summary[f"recomputed_{reason}"] = count
         return summary
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in COUNTS) and not self.data["done_to_ready_s"]
+        return not any(self.data[key] for key in COUNTS + SAMPLES + BY_REASON)
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):
@@ -79,6 +89,13 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
+        # Labelled by reason too, so children are made as reasons appear.
+        self.recomputed = self._counter_cls(
+            name="vllm:kvpush_local_recomputes_total",
+            documentation="Decode prompts computed locally because no transfer served them, "
+            "by reason (kv_load_failure_policy recompute, or no kv_transfer_params)",
+            labelnames=[*labelnames, "reason"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key in COUNTS:
@@ -87,6 +104,9 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                 self.counters[key][engine_idx].inc(value)
         for sample in transfer_stats_data.get("done_to_ready_s", []):
             self.done_to_ready[engine_idx].observe(sample)
+        engine = self.per_engine_labelvalues[engine_idx]
+        for reason, count in (transfer_stats_data.get("recomputed") or {}).items():
+            self.recomputed.labels(*engine, reason).inc(count)
 
 
 _DOCS = {

@@ -16,6 +16,7 @@ prompt: 0 for the only one, 1.. for siblings (`n > 1`, or a prompt listed twice)
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -76,6 +77,26 @@ class EngineTransfers:
     def forget(self, request_id: str) -> None:
         """The request is finished; siblings still to arrive keep their numbering."""
         self._of.pop(request_id, None)
+
+
+# How vLLM's API server names engine requests (entrypoints/openai, v1/engine):
+#   completions  cmpl-<id>-<prompt index>-<8 random hex>
+#   chat         chatcmpl-<id>[_<input index>]-<8 random hex>
+# and a choice of n > 1 gets `<choice index>_` in front.
+_CHOICE = re.compile(r"^\d+_")
+_RANDOM = re.compile(r"-[0-9a-f]{8}$")
+_INDEX = {"cmpl-": re.compile(r"-\d+$"), "chatcmpl-": re.compile(r"_\d+$")}
+
+
+def api_request_id(engine_request_id: str) -> str:
+    """The id of the API request an engine request came from: alike for every prompt
+    of a list and every choice of `n`, so all of them can share one transfer id.
+    An id in another shape is its own API request."""
+    rid = _RANDOM.sub("", _CHOICE.sub("", engine_request_id))
+    for prefix, index in _INDEX.items():
+        if rid.startswith(prefix):
+            return index.sub("", rid)
+    return rid
 
 
 def _media(request: Any) -> list[str]:

@@ -23,6 +23,12 @@ from kvpush.demo.cluster import Cluster
 from kvpush.demo.servers import MODEL_NAME
 from kvpush.demo.tinymodel import build_tiny_model
 
+# What a sequential orchestrator (Ray Serve LLM, vllm-router's nixl mode, llm-d's
+# nixlv2, Dynamo) sends a prefill instance: upstream NixlConnector's shape, no transfer id.
+UPSTREAM_PREFILL_LEG = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
 DECODE_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0}
 PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0}
 
@@ -87,6 +93,18 @@ class Client:
                         choice.get("text") or choice.get("delta", {}).get("content") or ""
                     )
         return "".join(pieces)
+
+    def sequential(self, prefill: str, decode: str, tokens: list[int]) -> tuple[dict, list[int]]:
+        """Both legs one after the other, as a sequential orchestrator runs them: the
+        prefill answer's kv_transfer_params, forwarded unchanged, and decode's tokens."""
+        first = self.complete(
+            prefill, tokens, max_tokens=1, kv_transfer_params=UPSTREAM_PREFILL_LEG
+        )
+        assert first.status_code == 200, first.text
+        echo = first.json()["kv_transfer_params"]
+        second = self.complete(decode, tokens, kv_transfer_params=echo)
+        assert second.status_code == 200, second.text
+        return echo, second.json()["choices"][0]["token_ids"]
 
     def metric(self, url: str, name: str) -> float:
         """A Prometheus metric of a server's /metrics, summed over its labels."""

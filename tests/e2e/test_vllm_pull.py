@@ -67,6 +67,16 @@ def _decode_leg_params(client, cluster, prefill: str, transfer_id: str) -> dict:
     }  # fmt: skip
 
 
+def test_pull_behind_a_sequential_orchestrator_without_transfer_ids(cluster, pull_pair, client):
+    prefill, decode = cluster.servers["pull_prefill"].url, cluster.servers["pull_decode"].url
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    for n in (129, 450):
+        echo, tokens = client.sequential(prefill, decode, prompt(n, 2100 + n))
+        assert echo["transfer_mode"] == "pull"
+        assert tokens == client.tokens(cluster.servers["single"].url, prompt(n, 2100 + n)), n
+    assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + 2
+
+
 def test_fail_policy_turns_a_lost_transfer_into_an_error(cluster, pull_pair, client):
     params = _decode_leg_params(client, cluster, "pull_prefill", "xfer-never-prefilled")
     response = client.complete(

@@ -115,6 +115,27 @@ def test_prefill_with_other_kv_weights_changes_decode_output(cluster, other_kv_r
     assert changed == spanning, (
         f"decode ignored the pushed KV for lengths {set(spanning) - set(changed)}"
     )
+    # The same through sequential legs with no transfer id (the prefill instance names it).
+    other = cluster.servers["prefill_other_kv"].url
+    tokens = prompt(300, 2500)
+    _, got = client.sequential(other, cluster.servers["decode"].url, tokens)
+    assert got != client.tokens(single, tokens), "decode ignored the KV the sequential legs moved"
+
+
+def test_a_sequential_orchestrator_without_transfer_ids_moves_the_kv(cluster, client):
+    """Upstream NixlConnector's prefill shape, answer forwarded to decode: the prefill
+    instance names the transfer, and decode loads the KV instead of recomputing."""
+    prefill, decode = cluster.servers["prefill"].url, cluster.servers["decode"].url
+    single = cluster.servers["single"].url
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    lengths = (129, 300, 600)
+    for n in lengths:
+        echo, tokens = client.sequential(prefill, decode, prompt(n, 2000 + n))
+        assert echo["transfer_id"].startswith("cmpl-") and echo["transfer_mode"] == "push"
+        assert tokens == client.tokens(single, prompt(n, 2000 + n)), n
+    assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + len(lengths)
+    assert client.metric(decode, "vllm:kvpush_local_recomputes_total") == 0
+    _both_drained(cluster, client)
 
 
 def test_32_concurrent_requests_all_correct_and_nothing_leaks(cluster, router, client):

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
-from kvpush.vllm.transfers import engine_transfer_id, prompt_digest
+from kvpush.vllm.transfers import api_request_id, engine_transfer_id, prompt_digest
 from kvpush.vllm.wake import Ringer
 
 BLOCK = 128
@@ -262,6 +262,99 @@ def test_the_boot_a_decode_leg_names_reaches_each_worker_rank():
     decode.update_state_after_alloc(request, _blocks([1, 2, 3]), 300)
     (expect,) = decode.build_connector_meta(_step()).expects
     assert expect.engine == "engine-p" and expect.epochs == ("boot0", "boot1")
+
+
+# What a sequential orchestrator (Ray Serve LLM, vllm-router's nixl mode, llm-d's
+# nixlv2, Dynamo) sends prefill: upstream NixlConnector's shape, no transfer id.
+UPSTREAM_PREFILL_LEG = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
+
+
+def _finish_prefill(side: SchedulerSide, request) -> dict:
+    n = len(request.prompt_token_ids)
+    side.build_connector_meta(
+        _step(new=[(request.request_id, n, [4], 0)], scheduled={request.request_id: n})
+    )
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    _, echo = side.request_finished(request, [4])
+    return echo
+
+
+def test_a_prefill_leg_without_a_transfer_id_gets_one_and_the_echo_drives_decode():
+    prefill, decode = _side(), _side()
+    request = _request("cmpl-abc123-0-1a2b3c4d", 300, dict(UPSTREAM_PREFILL_LEG))
+    prefill.on_new_request(request)
+    (pending,) = prefill.build_connector_meta(_step()).pending
+    echo = _finish_prefill(prefill, request)
+    assert echo["transfer_id"] == "cmpl-abc123" and echo["do_remote_prefill"]
+    # The orchestrator forwards the echo unchanged: decode claims the very transfer.
+    decode.on_new_request(_request("cmpl-xyz-0-99999999", 300, dict(echo)))
+    assert [a.transfer_id for a in decode.build_connector_meta(_step()).announces] == [pending]
+
+
+def test_named_transfers_are_shared_by_every_prompt_and_choice_of_one_api_request():
+    prefill, decode = _side(), _side()
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    requests = [
+        _prompted(f"cmpl-req7-{i}-{'%08x' % (i + 10)}", t, dict(UPSTREAM_PREFILL_LEG))
+        for i, t in enumerate(prompts)
+    ]
+    for request in requests:
+        prefill.on_new_request(request)
+    produced = prefill.build_connector_meta(_step()).pending
+    echo = _finish_prefill(prefill, requests[-1])  # vLLM answers with the last one's
+    for i, tokens in enumerate(prompts):
+        decode.on_new_request(_prompted(f"cmpl-d-{i}-0000000{i}", tokens, dict(echo)))
+    assert [a.transfer_id for a in decode.build_connector_meta(_step()).announces] == produced
+
+
+@pytest.mark.parametrize(
+    ("engine_id", "api_id"),
+    [
+        ("cmpl-9f3e-0-1a2b3c4d", "cmpl-9f3e"),  # one prompt
+        ("cmpl-9f3e-12-1a2b3c4d", "cmpl-9f3e"),  # the 13th prompt of a list
+        ("1_cmpl-9f3e-0-1a2b3c4d", "cmpl-9f3e"),  # a choice of n=2
+        ("chatcmpl-77aa-1a2b3c4d", "chatcmpl-77aa"),
+        ("chatcmpl-77aa_1-1a2b3c4d", "chatcmpl-77aa"),  # several inputs
+        ("my-own-id", "my-own-id"),  # another shape: its own request
+    ],
+)
+def test_an_engine_request_id_names_its_api_request(engine_id, api_id):
+    assert api_request_id(engine_id) == api_id
+
+
+def test_a_prefill_leg_with_a_malformed_transfer_id_sends_nothing(caplog):
+    side = _side()
+    side.on_new_request(_request("p1", 10, {"do_remote_decode": True, "transfer_id": 7}))
+    assert side.build_connector_meta(_step()).pending == []
+    assert "invalid transfer_id 7" in caplog.text
+
+
+def test_decode_prompts_computed_locally_are_counted_by_reason():
+    config = ConnectorConfig.from_extra({})
+    side = SchedulerSide(
+        config, "engine-d", BLOCK, 1, consumer_only=True, recompute_on_failure=True
+    )
+    side.on_new_request(_request("d1", 50, None))  # the orchestrator forwarded nothing
+    side.on_new_request(_request("d2", 50, _decode_params(transfer_mode="pull")))
+    d3 = _request("d3", 50, _decode_params(transfer_id="xfer-3"))  # its KV never comes
+    side.on_new_request(d3)
+    side.update_state_after_alloc(d3, _blocks([1]), 50)
+    side.update_connector_output(
+        SimpleNamespace(finished_sending=None, finished_recving={"d3"}, failed_recving={"d3"})
+    )
+    assert side.stats() == {
+        "recomputed": {"no_kv_transfer_params": 1, "mode_mismatch": 1, "transfer_failed": 1}
+    }
+    assert side.stats() is None  # counted once
+
+
+def test_under_the_fail_policy_a_rejected_leg_is_not_a_recompute():
+    side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1)
+    side.on_new_request(_request("d2", 50, _decode_params(transfer_mode="pull")))
+    assert side.stats() is None
 
 
 def _waiting_decode(side: SchedulerSide) -> None:
