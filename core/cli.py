@@ -84,7 +84,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         rates=serve.parse_list(args.rates, float),
         requests=args.requests,
         output_tokens=args.output_tokens,
-        configs=tuple(c for c in args.configs.split(",") if c),
+        configs=tuple(c for c in (args.configs or "").split(",") if c) or serve.default_configs(),
         placements=tuple(p for p in args.placements.split(",") if p),
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
@@ -184,7 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rates", default="1,8", help="Poisson request rates per second")
     serve.add_argument("--requests", type=int, default=24, help="requests per cell")
     serve.add_argument("--output-tokens", type=int, default=16)
-    serve.add_argument("--configs", default="plain,push,pull,upstream")
+    serve.add_argument(
+        "--configs",
+        help="comma-separated, of plain, push, pull, upstream, upstream-push "
+        "(default: all the installed vLLM can run)",
+    )
     serve.add_argument(
         "--placements",
         default="colocated,pinned",

@@ -4,7 +4,8 @@ Each request is a prompt of token ids, greedy, a fixed number of output tokens
 (ignore_eos), streamed, so every token's arrival time is seen. A request goes either
 straight to one URL (a plain instance, or a router that sends both legs) or, for
 upstream's pull connector, through the two legs its own toy proxy sends: prefill
-first, then decode with the prefill answer's kv_transfer_params.
+first, then decode with the prefill answer's kv_transfer_params; or, for upstream's
+push connector, both legs at once, paired by a shared X-Request-Id.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import json
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +51,14 @@ class Outcome:
 @dataclass(frozen=True)
 class Target:
     """Where requests go: `url` answers OpenAI completions; `two_legs` makes the
-    client send upstream's prefill leg to `prefill_url` first."""
+    client send upstream's prefill leg to `prefill_url` first, or alongside when
+    `concurrent_decode_params` are what the decode leg carries."""
 
     url: str
     model: str = MODEL
     two_legs: bool = False
     prefill_url: str = ""
+    concurrent_decode_params: dict[str, Any] | None = None
 
 
 def prompts(count: int, length: int, seed: int, vocab: int = 2040) -> list[list[int]]:
@@ -102,16 +106,47 @@ async def _request(
         "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
     }  # fmt: skip
     sent = time.monotonic()
+    headers: dict[str, str] = {}
+    prefill: asyncio.Task | None = None
     if target.two_legs:
-        leg = {**body, "max_tokens": 1, "stream": False,
-               "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
-        async with session.post(target.prefill_url + "/v1/completions", json=leg) as response:
-            answer = await response.json(content_type=None)
-            if response.status != 200:
-                return Outcome(False, error=f"prefill leg {response.status}: {answer}")
-        body["kv_transfer_params"] = answer.get("kv_transfer_params")
+        upstream_prefill = {"do_remote_decode": True, "do_remote_prefill": False}
+        leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": upstream_prefill}
+        if target.concurrent_decode_params is None:
+            answer = await _prefill_leg(session, target.prefill_url, leg, headers)
+            if isinstance(answer, Outcome):
+                return answer
+            body["kv_transfer_params"] = answer.get("kv_transfer_params")
+        else:
+            rid = uuid.uuid4().hex
+            headers["X-Request-Id"] = rid
+            body["kv_transfer_params"] = {
+                **target.concurrent_decode_params, "remote_request_id": f"cmpl-{rid}-0"
+            }  # fmt: skip
+            prefill = asyncio.create_task(_prefill_leg(session, target.prefill_url, leg, headers))
+    outcome = await _decode_leg(session, target.url, body, headers, sent)
+    if prefill is not None:
+        answer = await prefill
+        if isinstance(answer, Outcome) and outcome.ok:
+            return answer
+    return outcome
+
+
+async def _prefill_leg(
+    session: aiohttp.ClientSession, url: str, leg: dict, headers: dict[str, str]
+) -> dict | Outcome:
+    """The prefill answer, or a failed Outcome saying why."""
+    async with session.post(url + "/v1/completions", json=leg, headers=headers) as response:
+        answer = await response.json(content_type=None)
+        if response.status != 200:
+            return Outcome(False, error=f"prefill leg {response.status}: {answer}")
+        return answer
+
+
+async def _decode_leg(
+    session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str], sent: float
+) -> Outcome:
     outcome = Outcome(True)
-    async with session.post(target.url + "/v1/completions", json=body) as response:
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
         if response.status != 200:
             return Outcome(False, error=f"HTTP {response.status}: {await response.text()}")
         async for raw in response.content:

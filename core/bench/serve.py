@@ -7,6 +7,10 @@ Each configuration runs in turn on the same machine, model and seeded prompts:
   pull       the same in pull mode
   upstream   vLLM's own NixlConnector prefill + decode, driven the way its toy proxy
              drives them (prefill first, then decode with the prefill's answer)
+  upstream-push
+             vLLM's own NixlPushConnector (where the installed vLLM has it), both
+             legs at once: decode names prefill's engine and side channel up front,
+             and both legs share an X-Request-Id, which is how its prefill pairs them
 
 Each configuration is measured in each placement: "colocated" (servers share the
 cores; only vLLM's compute threads are bound: prefill and plain to --prefill-cpus,
@@ -38,7 +42,9 @@ from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
 from kvpush.bench.report import Report
 from kvpush.errors import KVPushError
 
-CONFIGS = ("plain", "push", "pull", "upstream")
+CONFIGS = ("plain", "push", "pull", "upstream", "upstream-push")
+UPSTREAM = ("upstream", "upstream-push")
+UPSTREAM_PREFILL_ENGINE = "bench-prefill"  # pinned, so decode legs can name it up front
 IDLE_SETTLE_S = 2.0
 PLACEMENTS = ("colocated", "pinned")
 
@@ -71,6 +77,11 @@ class Settings:
             raise KVPushError(f"unknown placement(s) {unknown}; known: {list(PLACEMENTS)}")
         if self.requests < 1 or not self.lengths or not self.rates:
             raise KVPushError("the grid needs at least one length, one rate and one request")
+        if "upstream-push" in self.configs and not upstream_push_available():
+            raise KVPushError(
+                "upstream-push needs vLLM's NixlPushConnector, which the installed vLLM "
+                "lacks; leave it out of --configs"
+            )
         for config in self.attach:
             if config not in ("plain", "push", "pull"):
                 raise KVPushError(f"--attach takes plain, push or pull, not {config!r}")
@@ -133,13 +144,31 @@ class Deployment:
             cluster.start()
             router = cluster.start_router(["prefill"], ["decode"], mode=self.config)
             self.target = load.Target(router)
-        else:
-            self._upstream("prefill", "kv_producer", s.prefill_cpus)
-            self._upstream("decode", "kv_consumer", s.decode_cpus)
+        elif self.config == "upstream":
+            self._upstream("prefill", "kv_producer", s.prefill_cpus, "NixlConnector")
+            self._upstream("decode", "kv_consumer", s.decode_cpus, "NixlConnector")
             cluster.start()
             servers = cluster.servers
             self.target = load.Target(
                 servers["decode"].url, two_legs=True, prefill_url=servers["prefill"].url
+            )
+        else:
+            side_port = self._upstream(
+                "prefill", "kv_producer", s.prefill_cpus, "NixlPushConnector"
+            )
+            self._upstream("decode", "kv_consumer", s.decode_cpus, "NixlPushConnector")
+            cluster.start()
+            servers = cluster.servers
+            decode_params = {
+                "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+                "remote_engine_id": UPSTREAM_PREFILL_ENGINE, "remote_host": "127.0.0.1",
+                "remote_port": side_port, "tp_size": 1, "remote_block_ids": [],
+            }  # fmt: skip
+            self.target = load.Target(
+                servers["decode"].url,
+                two_legs=True,
+                prefill_url=servers["prefill"].url,
+                concurrent_decode_params=decode_params,
             )
         return self.target
 
@@ -147,15 +176,20 @@ class Deployment:
         server = self.cluster.add_server(name, role, core=cpus, **kv)
         self._fit(server)
 
-    def _upstream(self, name: str, role: str, cpus: str) -> None:
+    def _upstream(self, name: str, role: str, cpus: str, connector: str) -> int:
+        """An instance with one of vLLM's own NIXL connectors: its side-channel port."""
         from kvpush.demo.cluster import free_port
 
         server = self.cluster.add_server(name, None, core=cpus)
         server.spec.kv_transfer_config = {
-            "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu",
         }  # fmt: skip
-        server.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        if role == "kv_producer":
+            server.spec.kv_transfer_config["engine_id"] = UPSTREAM_PREFILL_ENGINE
+        port = free_port()
+        server.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self._fit(server)
+        return port
 
     def _fit(self, server) -> None:
         longest = max(self.settings.lengths) + self.settings.output_tokens
@@ -407,8 +441,21 @@ def main(settings: Settings, out: Path, as_json: bool) -> int:
     report.finish(lambda _: print(table))
     print(f"kvpush bench serve: results in {out} ({len(written)} plots)", file=sys.stderr)
     # Upstream's failures are measured and reported, not ours to fail on.
-    failed = sum(c.failures + c.mismatches for c in cells if c.config != "upstream")
+    failed = sum(c.failures + c.mismatches for c in cells if c.config not in UPSTREAM)
     return 1 if failed else 0
+
+
+def upstream_push_available() -> bool:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPushConnector  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_configs() -> tuple[str, ...]:
+    """Every configuration the installed vLLM can run."""
+    return tuple(c for c in CONFIGS if c != "upstream-push" or upstream_push_available())
 
 
 def parse_list(text: str, kind: Callable[[str], float]) -> tuple:
