@@ -20,11 +20,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.kv_params import identity_from_decode_params
 from kvpush.metrics import Metrics
 from kvpush.router.instances import Instance, Pool
 from kvpush.router.legs import (
     decode_leg,
-    identity_from_echo,
     new_transfer_id,
     openai_error,
     prefill_leg,
@@ -303,7 +303,7 @@ class Router:
             leg = prefill_leg(body, transfer_id)
             answer = await self._post_json(prefill, endpoint, leg, headers)
             trace.mark("prefill_answered")
-            echo = identity_from_echo(answer.get("kv_transfer_params") or {})
+            echo = identity_from_decode_params(answer.get("kv_transfer_params") or {})
             if echo is None:
                 raise LegError(
                     502,
@@ -355,7 +355,7 @@ class Router:
     def _prefill_done(self, prefill: Instance, task: asyncio.Future) -> None:
         if task.cancelled() or task.exception() is not None:
             return
-        echo = identity_from_echo(task.result().get("kv_transfer_params") or {})
+        echo = identity_from_decode_params(task.result().get("kv_transfer_params") or {})
         if echo and prefill.identity and echo["epoch"] != prefill.identity["epoch"]:
             log.info("kvpush router: %s restarted (new epoch); relearning", prefill.url)
             prefill.identity = echo

@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from kvpush.kv_params import decode_params
+
 
 def new_transfer_id() -> str:
     """Fresh for every dispatch, retries included: a retry never gets old bytes."""
@@ -51,30 +53,8 @@ def prefill_leg(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
 def decode_leg(body: dict[str, Any], transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
     """The client's request, told where its KV comes from (identity: GET /query's answer)."""
     leg = dict(body)
-    leg["kv_transfer_params"] = {
-        "do_remote_prefill": True,
-        "transfer_id": transfer_id,
-        "transfer_mode": identity["transfer_mode"],
-        "remote_engine_id": identity["engine_id"],
-        "remote_epoch": identity["epoch"],
-        "remote_addresses": list(identity["addresses"]),
-        "tp_size": identity["tp_size"],
-    }
+    leg["kv_transfer_params"] = decode_params(transfer_id, identity)
     return leg
-
-
-def identity_from_echo(params: dict[str, Any]) -> dict[str, Any] | None:
-    """The producer identity a prefill response echoes, in GET /query's shape."""
-    try:
-        return {
-            "engine_id": params["remote_engine_id"],
-            "epoch": params["remote_epoch"],
-            "transfer_mode": params["transfer_mode"],
-            "addresses": list(params["remote_addresses"]),
-            "tp_size": params["tp_size"],
-        }
-    except (KeyError, TypeError):
-        return None
 
 
 def openai_error(message: str, kind: str, status: int) -> dict[str, Any]:

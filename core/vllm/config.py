@@ -28,6 +28,8 @@ class ConnectorConfig:
     port: side-channel port of TP rank 0; rank r listens on port + r (0: any free).
     identity_port: where this instance serves GET /query, its kvpush identity for
         routers (0: not served).
+    bootstrap_port: where this instance serves Mooncake's bootstrap GET /query, for
+        routers built for MooncakeConnector (0: not served; kvpush.vllm.bootstrap).
     secret: shared secret for message authentication (default $KVPUSH_SECRET).
     layerwise: push each layer's KV as soon as it is computed (default true).
     idle_wait_s: longest an engine step that has nothing to compute but transfers to
@@ -45,6 +47,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     identity_port: int = 0
+    bootstrap_port: int = 0
     secret: str | None = None
     layerwise: bool = True
     idle_wait_s: float = 0.02
@@ -82,6 +85,7 @@ def _checked(key: str, value: Any) -> Any:
         "host": str,
         "port": int,
         "identity_port": int,
+        "bootstrap_port": int,
         "secret": str,
         "layerwise": bool,
         "park_workers": bool,
@@ -98,7 +102,7 @@ def _checked(key: str, value: Any) -> Any:
         return float(value)
     if key == "mode" and value not in ("push", "pull"):
         raise ConfigError(f"mode must be 'push' or 'pull', got {value!r}")
-    if key in ("port", "identity_port") and not 0 <= value < 65536:
+    if key in ("port", "identity_port", "bootstrap_port") and not 0 <= value < 65536:
         raise ConfigError(f"{key} must be a TCP port (0-65535), got {value}")
     if key == "ucx_error_handling" and value not in ("none", "peer"):
         raise ConfigError(f"ucx_error_handling must be 'none' or 'peer', got {value!r}")

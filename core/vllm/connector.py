@@ -65,6 +65,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 prefix_caching=bool(cache.enable_prefix_caching),
                 consumer_only=transfer.kv_role == "kv_consumer",
                 recompute_on_failure=transfer.kv_load_failure_policy == "recompute",
+                dp_rank=vllm_config.parallel_config.data_parallel_rank,
             )
         else:
             from vllm.distributed.parallel_state import (

@@ -11,7 +11,9 @@ kv_transfer_params, the two-leg contract (docs/routing.md):
                  "remote_engine_id": E, "remote_epoch": X, "remote_addresses": [...]}
 and the prefill response echoes the producer's identity in the decode-leg shape.
 A prefill leg with no transfer_id (a sequential orchestrator sending upstream
-NixlConnector's shape) gets one named here, so the echo it forwards still moves KV.
+NixlConnector's shape) gets one named here, so the echo it forwards still moves KV;
+a decode leg that names only a bootstrap server (a Mooncake-mode router's) is
+completed from that server's answer (kvpush.vllm.bootstrap).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.errors import ProtocolError
+from kvpush.kv_params import decode_params
 from kvpush.protocol.messages import check_transfer_id
+from kvpush.vllm.bootstrap import BootstrapResolver, LegError, mooncake_query
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
@@ -59,6 +63,8 @@ class SchedulerSide:
         prefix_caching: bool = True,
         consumer_only: bool = False,
         recompute_on_failure: bool = False,
+        dp_rank: int = 0,
+        bootstrap: BootstrapResolver | None = None,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -68,6 +74,8 @@ class SchedulerSide:
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
         self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
         self.recomputes: Counter[str] = Counter()  # reason -> decode prompts computed here
+        self.dp_rank = dp_rank
+        self.bootstrap = bootstrap or BootstrapResolver()
         self._named_transfers = 0  # prefill legs that came without a transfer id
         self._warned: set[str] = set()
         self.epoch = os.urandom(4).hex()
@@ -83,6 +91,7 @@ class SchedulerSide:
         self._next = KVPushMetadata()
         self._ranks: dict[int, KVPushHandshake] = {}
         self.identity_server: IdentityServer | None = None
+        self.bootstrap_server: IdentityServer | None = None
         self.doorbell = Doorbell()
         self.spans = Spans()
         self._parked = False
@@ -105,6 +114,11 @@ class SchedulerSide:
             }
             self.identity_server = IdentityServer(
                 self.config.host, self.config.identity_port, routes
+            )
+        if self.config.bootstrap_port and self.bootstrap_server is None:
+            query = {"/query": lambda _: mooncake_query(self.identity(), self.dp_rank)}
+            self.bootstrap_server = IdentityServer(
+                self.config.host, self.config.bootstrap_port, query
             )
 
     def identity(self) -> dict[str, Any]:
@@ -131,8 +145,9 @@ class SchedulerSide:
         }
 
     def close(self) -> None:
-        if self.identity_server is not None:
-            self.identity_server.close()
+        for server in (self.identity_server, self.bootstrap_server):
+            if server is not None:
+                server.close()
         self.doorbell.close()
 
     # -- vLLM scheduler hooks -------------------------------------------------------------
@@ -163,6 +178,8 @@ class SchedulerSide:
             return 0, False
         self._admit_decode(request, params)  # if vLLM did not call on_new_request
         request_id = request.request_id
+        if request_id not in self._admitted:
+            return None, False  # its producer is still being learnt: ask again
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if request_id in self._rejected:
             return max(count, 1), True  # reported failed at once, per kv_load_failure_policy
@@ -333,8 +350,13 @@ class SchedulerSide:
         request_id = request.request_id
         if request_id in self._admitted:
             return
+        try:
+            if not self._learn_producer(params):
+                return  # its bootstrap server is being asked; vLLM asks again
+            found = _decode_leg_problem(params, self.config.protocol.mode, self.world)
+        except LegError as exc:
+            found = exc.reason, str(exc)
         self._admitted.add(request_id)
-        found = _decode_leg_problem(params, self.config.protocol.mode, self.world)
         if found is not None:
             reason, problem = found
             self._rejected[request_id] = problem
@@ -354,6 +376,19 @@ class SchedulerSide:
         self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
         self.spans.begin(request_id, "decode", params["transfer_id"])
 
+    def _learn_producer(self, params: dict[str, Any]) -> bool:
+        """Complete a leg that names its producer only by a bootstrap server (a
+        Mooncake-mode router's); False while the server is being asked."""
+        address = params.get("remote_bootstrap_addr")
+        if "remote_addresses" in params or not isinstance(address, str):
+            return True
+        engine = str(params.get("remote_engine_id") or "")
+        identity = self.bootstrap.producer(address, engine)
+        if identity is None:
+            return False
+        params.update(decode_params(params.get("transfer_id"), identity))
+        return True
+
     def _loading(self, request_id: str) -> bool:
         return request_id in self._announced or request_id in self._consuming
 
@@ -370,17 +405,7 @@ class SchedulerSide:
             # A WRITE may be reading the blocks: free them only when the producer says so.
             self._next.aborts.append(producing.transfer_id)
         self._sending.add(request.request_id)
-        echo = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_id": producing.base_id,
-            "transfer_mode": self.config.protocol.mode,
-            "remote_engine_id": self.engine_id,
-            "remote_epoch": self.epoch,
-            "remote_addresses": [self._ranks[r].address for r in sorted(self._ranks)],
-            "tp_size": self.world,
-        }
-        return True, echo
+        return True, decode_params(producing.base_id, self.identity())
 
     def _decline(self, tid: str, params: dict[str, Any]) -> None:
         """Tell the producer nobody here claims `tid`: it frees any KV made for it."""

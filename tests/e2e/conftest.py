@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpush.demo.cluster import Cluster
+from kvpush.demo.cluster import Cluster, free_port
 from kvpush.demo.servers import MODEL_NAME
 from kvpush.demo.tinymodel import build_tiny_model
 
@@ -138,7 +138,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     model = build_tiny_model(workdir / "model")
     cluster = Cluster(workdir, model)
     cluster.add_server("single", None, core=1)
-    cluster.add_server("prefill", "kv_producer", core=0, **PREFILL_TIMERS)
+    # bootstrap_port: Mooncake-mode routers' GET /query (kvpush.vllm.bootstrap).
+    cluster.add_server(
+        "prefill", "kv_producer", core=0, bootstrap_port=free_port(), **PREFILL_TIMERS
+    )
     cluster.add_server("decode", "kv_both", core=1, policy="recompute", **DECODE_TIMERS)
     try:
         cluster.start()

@@ -138,6 +138,37 @@ def test_a_sequential_orchestrator_without_transfer_ids_moves_the_kv(cluster, cl
     _both_drained(cluster, client)
 
 
+def test_a_mooncake_mode_router_sends_both_legs_at_once_and_the_kv_is_pushed(cluster, client):
+    """What llm-d's and vllm-router's mooncake modes do: learn the prefill engine id from
+    its bootstrap GET /query, then send both legs at once, decode naming only the
+    bootstrap server."""
+    spec = cluster.servers["prefill"].spec.kv_transfer_config["kv_connector_extra_config"]
+    bootstrap = f"http://127.0.0.1:{spec['bootstrap_port']}"
+    (entry,) = client.http.get(bootstrap + "/query").json().values()
+    prefill, decode = cluster.servers["prefill"].url, cluster.servers["decode"].url
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    tokens = prompt(450, 2700)
+    legs = {
+        prefill: {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-mc1"},
+        decode: {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "xfer-mc1",
+                 "remote_engine_id": entry["engine_id"], "remote_bootstrap_addr": bootstrap},
+    }  # fmt: skip
+
+    def send(url: str):
+        return client.complete(
+            url, tokens, 1 if url == prefill else 12, kv_transfer_params=legs[url]
+        )
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        answers = dict(zip(legs, pool.map(send, legs), strict=True))
+    assert answers[prefill].status_code == 200, answers[prefill].text
+    assert answers[decode].status_code == 200, answers[decode].text
+    got = answers[decode].json()["choices"][0]["token_ids"]
+    assert got == client.tokens(cluster.servers["single"].url, tokens)
+    assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + 1
+    _both_drained(cluster, client)
+
+
 def test_32_concurrent_requests_all_correct_and_nothing_leaks(cluster, router, client):
     single = cluster.servers["single"].url
     lengths = [(i * 53) % 600 + 1 for i in range(32)]

