@@ -49,6 +49,7 @@ class _Producing:
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     signalled: bool = False  # a step computing its last prompt token was scheduled
+    spoiled: bool = False  # preempted after that: what a WRITE reads is not its KV
 
 
 class SchedulerSide:
@@ -223,6 +224,8 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._preempted(request_id)
         self._track_prefill_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         self.spans.scheduled(scheduled)
@@ -392,6 +395,23 @@ class SchedulerSide:
     def _loading(self, request_id: str) -> bool:
         return request_id in self._announced or request_id in self._consuming
 
+    def _preempted(self, request_id: str) -> None:
+        """vLLM took a producing request's blocks back, to compute it again later. Once
+        its KV was signalled a WRITE may be reading them while they become another
+        request's: end that transfer (decode discards whatever lands and fails the
+        load, per its policy), and send nothing for the recomputed request."""
+        producing = self._producing.get(request_id)
+        if producing is None or not producing.signalled or producing.spoiled:
+            return  # not signalled: no WRITE reads its blocks, and resuming re-reads them
+        producing.spoiled = True
+        self._next.aborts.append(producing.transfer_id)
+        log.warning(
+            "kvpush: prefill request %s was preempted while its KV was being sent; "
+            "transfer %s ends without it",
+            request_id,
+            producing.transfer_id,
+        )
+
     def _prefill_finished(
         self, request: Any, producing: _Producing, block_ids: list[int]
     ) -> tuple[bool, dict | None]:
@@ -400,6 +420,12 @@ class SchedulerSide:
             self._next.aborts.append(producing.transfer_id)
             self.spans.drop(request.request_id)
             return False, None
+        if producing.spoiled:
+            # Its transfer was ended at the preemption; keep the blocks until the
+            # producer has let go of it, and name nothing for decode to claim.
+            self._sending.add(request.request_id)
+            self.spans.drop(request.request_id)
+            return True, None
         self.spans.mark(request.request_id, "computed")
         if _status(request) not in _SENDABLE:
             # A WRITE may be reading the blocks: free them only when the producer says so.

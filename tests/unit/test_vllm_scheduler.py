@@ -357,6 +357,42 @@ def test_under_the_fail_policy_a_rejected_leg_is_not_a_recompute():
     assert side.stats() is None
 
 
+def test_a_prefill_preempted_while_its_kv_is_sent_ends_that_transfer_and_sends_nothing_more():
+    """vLLM frees a preempted request's blocks at once (and recomputes it later): a WRITE
+    of the KV signalled before could read blocks that are another request's by then."""
+    side = _side()
+    request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    meta = side.build_connector_meta(_step(new=[("p1", 300, [4, 5, 6], 0)], scheduled={"p1": 300}))
+    assert [p.transfer_id for p in meta.produces] == [_tid(300)]
+    preempting = _step()
+    preempting.preempted_req_ids = {"p1"}
+    assert side.build_connector_meta(preempting).aborts == [_tid(300)]
+    # Recomputed from scratch in fresh blocks: no second Produce, no echo.
+    resumed = _step(cached=[("p1", [7, 8, 9], 0)], scheduled={"p1": 300})
+    resumed.scheduled_cached_reqs.resumed_req_ids = {"p1"}
+    meta = side.build_connector_meta(resumed)
+    assert meta.produces == [] and meta.aborts == []
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(request, [7, 8, 9]) == (True, None)
+    side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
+    assert side.state() == {"sending": 0, "producing": 0, "receiving": 0}
+
+
+def test_a_prefill_preempted_before_its_last_chunk_just_resumes():
+    side = _side()
+    request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    side.build_connector_meta(_step(new=[("p1", 300, [4, 5], 0)], scheduled={"p1": 200}))
+    preempting = _step()
+    preempting.preempted_req_ids = {"p1"}
+    assert side.build_connector_meta(preempting).aborts == []
+    resumed = _step(cached=[("p1", [7, 8, 9], 0)], scheduled={"p1": 300})
+    resumed.scheduled_cached_reqs.resumed_req_ids = {"p1"}
+    meta = side.build_connector_meta(resumed)
+    assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (7, 8, 9))]
+
+
 def _waiting_decode(side: SchedulerSide) -> None:
     request = _request("d1", 300, _decode_params())
     side.on_new_request(request)
