@@ -96,6 +96,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         slo_tpot_ms=args.slo_tpot_ms,
         idle_seconds=args.idle_seconds,
         seed=args.seed,
+        request_timeout_s=args.request_timeout,
     )
     out = Path(args.out or f"kvpush-bench-serve-{time.strftime('%Y%m%d-%H%M%S')}")
     return serve.main(settings, out, args.json)
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--slo-tpot-ms", type=float, default=100.0)
     serve.add_argument("--idle-seconds", type=float, default=3.0)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--request-timeout", type=float, default=120.0, help="seconds before a request failed"
+    )
     serve.add_argument("--out", help="output directory (default kvpush-bench-serve-<time>)")
     serve.set_defaults(run=_bench_serve)
 

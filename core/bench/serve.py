@@ -67,6 +67,7 @@ class Settings:
     slo_tpot_ms: float = 100.0
     idle_seconds: float = 3.0
     seed: int = 0
+    request_timeout_s: float = 120.0  # a request not answered by then failed (upstream hangs)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.configs) - set(CONFIGS))
@@ -264,7 +265,7 @@ def summarize(
         *(_ms(load.percentile(ttfts, q)) for q in (50, 90, 99)),
         *(_ms(load.percentile(tpots, q)) for q in (50, 90, 99)),
         *(_ms(load.percentile(itls, q)) for q in (50, 90, 99)),
-        round(good / seconds, 3), round(seconds, 2), idle, busy,
+        round(good / seconds, 3) if seconds else 0.0, round(seconds, 2), idle, busy,
         [o.error[:300] for o in outcomes if not o.ok][:3],
     )  # fmt: skip
 
@@ -302,8 +303,11 @@ class Bench:
         try:
             self.report.step(f"{config}: starting")
             target = deployment.start()
-            self._warm_up(target)
+            broken = self._warm_up(target)
             for placement in self.settings.placements:
+                if broken:
+                    cells += self._unserved(config, placement, broken)
+                    continue
                 if placement == "pinned":
                     if not deployment.pids():
                         continue  # attached: its placement is not ours to change
@@ -319,11 +323,32 @@ class Bench:
             deployment.stop()
         return cells
 
-    def _warm_up(self, target: load.Target) -> None:
-        """First requests pay for connections and caches: not part of any cell."""
-        for length in self.settings.lengths:
-            batch = load.prompts(2, length, seed=self.settings.seed + 999_999 + length)
-            asyncio.run(load.run(target, batch, [0.0, 0.1], self.settings.output_tokens))
+    def _warm_up(self, target: load.Target) -> str:
+        """First requests pay for connections and caches: not part of any cell. Why
+        the configuration cannot serve, if it cannot ("": it can)."""
+        s = self.settings
+        for length in s.lengths:
+            batch = load.prompts(2, length, seed=s.seed + 999_999 + length)
+            outcomes = asyncio.run(
+                load.run(target, batch, [0.0, 0.1], s.output_tokens, s.request_timeout_s)
+            )
+            failed = [o.error for o in outcomes if not o.ok]
+            if failed:
+                return f"warm-up at {length} tokens failed: {failed[0][:200]}"
+        return ""
+
+    def _unserved(self, config: str, placement: str, why: str) -> list[Cell]:
+        """The cells of a configuration that could not serve its warm-up: every
+        request failed, none sent (each would only wait out its timeout)."""
+        s = self.settings
+        cells = []
+        for length in s.lengths:
+            for rate in s.rates:
+                outcomes = [load.Outcome(False, error=why)] * s.requests
+                cell = summarize(config, placement, length, rate, outcomes, None, 0.0, s, {}, {})
+                self.report.add(cell)
+                cells.append(cell)
+        return cells
 
     def _idle_cpu(self, deployment: Deployment) -> dict[str, float]:
         # vLLM's workers spin for a second after their last step (their step queue's
@@ -346,7 +371,9 @@ class Bench:
         deployment.spans()  # start this cell's span counts afresh
         before = deployment.cpu_seconds()
         started = time.monotonic()
-        outcomes = asyncio.run(load.run(target, batch, send_at, s.output_tokens))
+        outcomes = asyncio.run(
+            load.run(target, batch, send_at, s.output_tokens, s.request_timeout_s)
+        )
         seconds = time.monotonic() - started
         busy = _cores(before, deployment.cpu_seconds(), seconds)
         key = (placement, length, rate)

@@ -1,0 +1,57 @@
+"""xPyD on one machine: two prefill instances and one decode, then one prefill and two
+decode instances, behind `kvpush router`. Answers equal a plain instance's, and the
+load reaches every instance (each one's transfer counters move)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+
+def _spread(client: Client, cluster, router: str, counters: dict[str, str], seed: int) -> None:
+    """Eight concurrent requests through `router`: every answer a plain instance's, and
+    every server's counter in `counters` (server -> metric) moved."""
+    single = cluster.servers["single"].url
+    prompts = [prompt(200 + 40 * i, seed + i) for i in range(8)]
+    expected = [client.tokens(single, p) for p in prompts]
+    before = {s: client.metric(cluster.servers[s].url, m) for s, m in counters.items()}
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: client.tokens(router, p), prompts))
+    assert got == expected
+    moved = {s: client.metric(cluster.servers[s].url, m) - before[s] for s, m in counters.items()}
+    assert all(moved.values()), f"instances the load did not reach: {moved}"
+    for name in counters:
+        state = client.wait_drained(cluster.identity_url(name))
+        assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
+
+
+def test_two_prefill_instances_and_one_decode(cluster, client):
+    cluster.add_server("prefill2", "kv_producer", core=0, **PREFILL_TIMERS)
+    try:
+        cluster.start("prefill2")
+        router = cluster.start_router(["prefill", "prefill2"], ["decode"], name="2p1d")
+        released = "vllm:kvpush_released_total"
+        counters = {"prefill": released, "prefill2": released,
+                    "decode": "vllm:kvpush_delivered_total"}  # fmt: skip
+        _spread(client, cluster, router, counters, seed=3000)
+    finally:
+        cluster.stop_router("2p1d")
+        cluster.servers.pop("prefill2").stop()
+
+
+def test_one_prefill_instance_and_two_decode(cluster, client):
+    cluster.add_server("decode2", "kv_consumer", core=1, **DECODE_TIMERS)
+    try:
+        cluster.start("decode2")
+        router = cluster.start_router(["prefill"], ["decode", "decode2"], name="1p2d")
+        delivered = "vllm:kvpush_delivered_total"
+        counters = {"prefill": "vllm:kvpush_released_total", "decode": delivered,
+                    "decode2": delivered}  # fmt: skip
+        _spread(client, cluster, router, counters, seed=3100)
+    finally:
+        cluster.stop_router("1p2d")
+        cluster.servers.pop("decode2").stop()
