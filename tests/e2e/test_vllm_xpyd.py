@@ -34,8 +34,10 @@ def test_two_prefill_instances_and_one_decode(cluster, client):
     try:
         cluster.start("prefill2")
         router = cluster.start_router(["prefill", "prefill2"], ["decode"], name="2p1d")
-        released = "vllm:kvpush_released_total"
-        counters = {"prefill": released, "prefill2": released,
+        # A prefill's kvpush counters ride on its next engine step; requests served
+        # are counted at once.
+        served = "vllm:request_success_total"
+        counters = {"prefill": served, "prefill2": served,
                     "decode": "vllm:kvpush_delivered_total"}  # fmt: skip
         _spread(client, cluster, router, counters, seed=3000)
     finally:
@@ -49,7 +51,7 @@ def test_one_prefill_instance_and_two_decode(cluster, client):
         cluster.start("decode2")
         router = cluster.start_router(["prefill"], ["decode", "decode2"], name="1p2d")
         delivered = "vllm:kvpush_delivered_total"
-        counters = {"prefill": "vllm:kvpush_released_total", "decode": delivered,
+        counters = {"prefill": "vllm:request_success_total", "decode": delivered,
                     "decode2": delivered}  # fmt: skip
         _spread(client, cluster, router, counters, seed=3100)
     finally:
