@@ -9,6 +9,7 @@ stay out of the engine's pool, so a retry can never receive an old transfer's by
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvpush.errors import ProtocolError
@@ -41,8 +42,38 @@ from kvpush.protocol.timers import Deadlines
 # Ended transfers remembered so their late messages are not counted as strays.
 _ENDED_MEMORY = 4096
 
+
+class State(enum.StrEnum):
+    """A transfer on the decode side."""
+
+    ANNOUNCED = "announced"  # the request arrived; its blocks are not allocated yet
+    CONNECTING = "connecting"  # blocks allocated; the session to the producer is not up
+    REGISTERED = "registered"  # push: our blocks are the producer's to write into
+    LANDING = "landing"  # push: the producer is done; NIXL's notification is due
+    REQUESTED = "requested"  # pull: a read grant asked for
+    READING = "reading"  # pull: our READ is in flight
+    CANCELLING = "cancelling"  # ended, but a WRITE may still land: the blocks are held
+    ENDED = "ended"  # delivered or failed (and forgotten)
+
+
+# Every move a transfer may make; any other is a bug, refused loudly.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.ANNOUNCED: frozenset({State.CONNECTING, State.ENDED}),
+    State.CONNECTING: frozenset({State.REGISTERED, State.REQUESTED, State.ENDED}),
+    State.REGISTERED: frozenset({State.LANDING, State.CANCELLING, State.ENDED}),
+    State.LANDING: frozenset({State.CANCELLING, State.ENDED}),
+    State.REQUESTED: frozenset({State.READING, State.ENDED}),
+    State.READING: frozenset({State.CANCELLING, State.ENDED}),
+    State.CANCELLING: frozenset({State.CANCELLING, State.ENDED}),
+    State.ENDED: frozenset(),
+}
+
 # States in which the producer may hold our blocks and write into them.
-_PRODUCER_MAY_WRITE = ("registered",)
+_PRODUCER_MAY_WRITE = (State.REGISTERED,)
+# States whose heartbeats keep the producer's hold on the transfer alive.
+_HEARTBEATING = (State.ANNOUNCED, State.REGISTERED, State.REQUESTED, State.READING)
+# States in which a WRITE the producer posted may still land in our blocks.
+_WRITES_MAY_LAND = (State.REGISTERED, State.LANDING, State.CANCELLING)
 
 
 @dataclass
@@ -59,7 +90,7 @@ class _Transfer:
     skip_blocks: int = 0
     engine: str = ""  # the producer engine the decode leg names ("": any)
     epoch: str = ""  # and that engine's boot ("": any)
-    state: str = "announced"  # announced connecting registered landing requested reading cancelling
+    state: State = State.ANNOUNCED
     claimed_at: float = 0.0  # last Register/Heartbeat that extended the producer's hold
     give_up_at: float = 0.0  # max_wait_s after the blocks were allocated
     read_deadline: float = 0.0
@@ -110,7 +141,7 @@ class Consumer:
         """Blocks are allocated for `transfer_id`: claim the producer's KV for them,
         from the producer engine `engine` in its boot `epoch` only (each when given)."""
         transfer = self._transfers.get(transfer_id)
-        if transfer is not None and transfer.state != "announced":
+        if transfer is not None and transfer.state != State.ANNOUNCED:
             raise ProtocolError(f"transfer {transfer_id!r} is already expected")
         if transfer is None or transfer.peer != peer:
             transfer = self._transfers[transfer_id] = _Transfer(transfer_id, peer)
@@ -118,7 +149,7 @@ class Consumer:
         transfer.skip_blocks = skip_blocks
         transfer.engine = engine
         transfer.epoch = epoch
-        transfer.state = "connecting"
+        self._move(transfer, State.CONNECTING)
         transfer.give_up_at = now + self.config.max_wait_s
         self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
         actions = self._ensure_session(peer)
@@ -129,21 +160,21 @@ class Consumer:
     def abort(self, transfer_id: str, now: float) -> list[Action]:
         """The engine gave the request up. Its blocks come back only once it is safe."""
         transfer = self._transfers.get(transfer_id)
-        if transfer is None or transfer.state == "cancelling":
+        if transfer is None or transfer.state == State.CANCELLING:
             return []
         cancel = Send(transfer.peer, Cancel(transfer_id, "aborted"))
         live = self._ready(transfer.peer)
-        if transfer.state == "announced":
+        if transfer.state == State.ANNOUNCED:
             self._forget(transfer)
             if not live:
                 # The producer may hold KV for it already: tell it once we can.
                 self._held_cancels.setdefault(transfer.peer, []).append(transfer_id)
                 return []
             return [cancel]
-        if transfer.state == "reading":
+        if transfer.state == State.READING:
             transfer.cancel_reason = "aborted"  # our own READ ends it
             return []
-        if transfer.state in ("connecting", "landing", "requested"):
+        if transfer.state in (State.CONNECTING, State.LANDING, State.REQUESTED):
             # Nobody else writes into these blocks (not claimed yet, already written,
             # or pull, where only our own READ would).
             return ([cancel] if live else []) + self._fail(transfer, "aborted")
@@ -158,11 +189,11 @@ class Consumer:
             Send(peer, Cancel(tid, "aborted")) for tid in self._held_cancels.pop(peer, ())
         ]
         waiting = [t for t in self._transfers.values() if t.peer == peer]
-        announced = [t.transfer_id for t in waiting if t.state == "announced"]
+        announced = [t.transfer_id for t in waiting if t.state == State.ANNOUNCED]
         if announced:
             actions.append(Send(peer, Heartbeat(announced)))
         for transfer in waiting:
-            if transfer.state == "connecting":
+            if transfer.state == State.CONNECTING:
                 actions += self._claim(transfer, now)
         return actions
 
@@ -172,9 +203,9 @@ class Consumer:
         self._held_cancels.pop(peer, None)
         actions: list[Action] = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            if transfer.state == "announced":
+            if transfer.state == State.ANNOUNCED:
                 self._forget(transfer)
-            elif transfer.state == "connecting":
+            elif transfer.state == State.CONNECTING:
                 actions += self._fail(transfer, "handshake_failed", reason)
         return actions
 
@@ -184,19 +215,19 @@ class Consumer:
         self._held_cancels.pop(peer, None)
         actions: list[Action] = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            if transfer.state == "announced":
+            if transfer.state == State.ANNOUNCED:
                 self._forget(transfer)
-            elif transfer.state in ("connecting", "requested", "landing"):
+            elif transfer.state in (State.CONNECTING, State.REQUESTED, State.LANDING):
                 actions += self._fail(transfer, "peer_lost", reason)
-            elif transfer.state == "reading":
+            elif transfer.state == State.READING:
                 transfer.cancel_reason = transfer.cancel_reason or "peer_lost"
-            elif transfer.state == "registered":
+            elif transfer.state == State.REGISTERED:
                 # A WRITE it posted before dying may still be landing: wait that long.
-                transfer.state = "cancelling"
+                self._move(transfer, State.CANCELLING)
                 transfer.cancel_reason = "peer_lost"
                 self._deadlines.cancel(("watchdog", transfer.transfer_id))
                 self._deadlines.set(("settle", transfer.transfer_id), now + self._landing_bound())
-            elif transfer.state == "cancelling":
+            elif transfer.state == State.CANCELLING:
                 settle = min(
                     self._deadlines.get(("settle", transfer.transfer_id)) or float("inf"),
                     now + self._landing_bound(),
@@ -218,11 +249,11 @@ class Consumer:
         if isinstance(message, Failed):
             return self._on_failed(transfer, message, now)
         if isinstance(message, CancelAck):
-            if transfer.state == "reading":
+            if transfer.state == State.READING:
                 # The producer let go of what we are reading: the bytes cannot be trusted.
                 transfer.cancel_reason = transfer.cancel_reason or "aborted"
                 return []
-            if transfer.state != "cancelling":
+            if transfer.state != State.CANCELLING:
                 return [Counted("rejected_messages", {"why": "unexpected_cancel_ack"})]
             if message.may_land:
                 return self._settle_later(transfer, transfer.cancel_reason or "aborted", now)
@@ -248,9 +279,9 @@ class Consumer:
             return [Counted("rejected_notifs", {"why": why})]
         transfer.notified = True
         transfer.kv_ready_wall = wall
-        if transfer.state in ("registered", "landing"):
+        if transfer.state in (State.REGISTERED, State.LANDING):
             return self._deliver(transfer)
-        if transfer.state == "cancelling":
+        if transfer.state == State.CANCELLING:
             # The last WRITE landed: nothing more will be written into these blocks.
             return self._fail(transfer, transfer.cancel_reason or "aborted")
         return []
@@ -261,7 +292,7 @@ class Consumer:
         """Pull: our READ finished (ok) or failed; `may_land`: it was given up on
         unfinished, and may still copy into our blocks for a while."""
         transfer = self._transfers.get(transfer_id)
-        if transfer is None or transfer.state != "reading":
+        if transfer is None or transfer.state != State.READING:
             return [Counted("unexpected_read_completion")]
         actions: list[Action] = []
         if self._ready(transfer.peer):
@@ -291,10 +322,10 @@ class Consumer:
                 continue
             if kind == "watchdog":
                 actions += self._on_watchdog(transfer, now)
-            elif kind == "landing" and transfer.state == "landing":
+            elif kind == "landing" and transfer.state == State.LANDING:
                 detail = "the producer completed but NIXL's notification never came"
                 actions += self._fail(transfer, "write_failed", detail)
-            elif kind == "settle" and transfer.state == "cancelling":
+            elif kind == "settle" and transfer.state == State.CANCELLING:
                 actions += self._fail(transfer, transfer.cancel_reason or "aborted")
         return actions
 
@@ -303,7 +334,7 @@ class Consumer:
 
     def landing(self) -> bool:
         """True while a completed WRITE's notification is still to be polled for."""
-        return any(t.state == "landing" for t in self._transfers.values())
+        return any(t.state == State.LANDING for t in self._transfers.values())
 
     def awaiting_writes(self) -> bool:
         """True while a producer may be writing into our blocks.
@@ -311,7 +342,7 @@ class Consumer:
         Over transports where the target must drive progress (UCX over TCP), the I/O
         layer keeps calling into NIXL meanwhile.
         """
-        return any(t.state in ("registered", "landing") for t in self._transfers.values())
+        return any(t.state in (State.REGISTERED, State.LANDING) for t in self._transfers.values())
 
     # -- internals -------------------------------------------------------------------
 
@@ -335,12 +366,12 @@ class Consumer:
             return self._fail(transfer, "handshake_failed", problem)
         transfer.claimed_at = now
         if self.config.mode == "push":
-            transfer.state = "registered"
+            self._move(transfer, State.REGISTERED)
             message: Message = Register(
                 transfer.transfer_id, [transfer.blocks], self.layout_digest, transfer.skip_blocks
             )
         else:
-            transfer.state = "requested"
+            self._move(transfer, State.REQUESTED)
             message = PullRequest(transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks)
         return [Send(transfer.peer, message)]
 
@@ -353,10 +384,10 @@ class Consumer:
         return []
 
     def _on_complete(self, transfer: _Transfer, message: Complete, now: float) -> list[Action]:
-        if transfer.state == "cancelling":
+        if transfer.state == State.CANCELLING:
             # The producer is done with our blocks: the cancel is settled.
             return self._fail(transfer, transfer.cancel_reason or "aborted")
-        if transfer.state != "registered":
+        if transfer.state != State.REGISTERED:
             return [Counted("rejected_messages", {"why": "unexpected_complete"})]
         transfer.complete = message
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
@@ -368,15 +399,15 @@ class Consumer:
             return self._deliver(transfer)
         if transfer.notified:
             return self._deliver(transfer)
-        transfer.state = "landing"
+        self._move(transfer, State.LANDING)
         self._deadlines.set(("landing", transfer.transfer_id), now + self.config.landing_s)
         return []
 
     def _on_failed(self, transfer: _Transfer, message: Failed, now: float) -> list[Action]:
-        if transfer.state == "reading":
+        if transfer.state == State.READING:
             transfer.cancel_reason = message.reason  # our READ still runs; it ends it
             return []
-        if message.may_land:
+        if message.may_land and transfer.state in _WRITES_MAY_LAND:
             # A WRITE the producer gave up on may still be landing in our blocks.
             return self._settle_later(transfer, message.reason, now)
         # The producer wrote nothing more after saying so: the blocks are ours again.
@@ -384,7 +415,7 @@ class Consumer:
 
     def _settle_later(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
         """Fail the transfer once a WRITE posted into its blocks can no longer land."""
-        transfer.state = "cancelling"
+        self._move(transfer, State.CANCELLING)
         transfer.cancel_reason = reason
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         self._deadlines.cancel(("landing", transfer.transfer_id))
@@ -392,7 +423,7 @@ class Consumer:
         return []
 
     def _on_grant(self, transfer: _Transfer, message: Grant, now: float) -> list[Action]:
-        if transfer.state != "requested":
+        if transfer.state != State.REQUESTED:
             return [Counted("rejected_messages", {"why": "unexpected_grant"})]
         assert transfer.blocks is not None
         # The lease started when the producer answered, after we asked: counting from
@@ -404,7 +435,7 @@ class Consumer:
             reason = "bad_blocks" if problem else "lease_expired"
             release = Send(transfer.peer, Release(transfer.transfer_id))
             return [release] + self._fail(transfer, reason, problem or "the grant came too late")
-        transfer.state = "reading"
+        self._move(transfer, State.READING)
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         return [PostRead(transfer.transfer_id, transfer.peer, list(transfer.blocks), remote)]
 
@@ -421,10 +452,10 @@ class Consumer:
         return ""
 
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:
-        if transfer.state == "connecting":
+        if transfer.state == State.CONNECTING:
             return self._fail(transfer, "watchdog_expired", "no session with the producer")
         cancel = Send(transfer.peer, Cancel(transfer.transfer_id, "watchdog_expired"))
-        if transfer.state == "requested":
+        if transfer.state == State.REQUESTED:
             return [cancel] + self._fail(transfer, "watchdog_expired", "no grant in time")
         if transfer.state in _PRODUCER_MAY_WRITE:
             return [cancel] + self._start_cancel(transfer, "watchdog_expired", now)
@@ -437,7 +468,7 @@ class Consumer:
         `registration_ttl_s` after the last claim we sent; a WRITE posted just before
         then lands within `write_grace_s`.
         """
-        transfer.state = "cancelling"
+        self._move(transfer, State.CANCELLING)
         transfer.cancel_reason = reason
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         hello = self._peers[transfer.peer].hello if transfer.peer in self._peers else None
@@ -455,10 +486,9 @@ class Consumer:
     def _heartbeats(self, now: float) -> list[Action]:
         wanted: dict[str, list[str]] = {}
         for transfer in self._transfers.values():
-            alive = transfer.state in ("announced", "registered", "requested", "reading")
-            if alive and self._ready(transfer.peer):
+            if transfer.state in _HEARTBEATING and self._ready(transfer.peer):
                 wanted.setdefault(transfer.peer, []).append(transfer.transfer_id)
-                if transfer.state == "registered":
+                if transfer.state == State.REGISTERED:
                     transfer.claimed_at = now
         if self._transfers:
             self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
@@ -481,7 +511,16 @@ class Consumer:
             return []
         return [TransferFailed(transfer.transfer_id, reason, detail)]
 
+    def _move(self, transfer: _Transfer, state: State) -> None:
+        if state not in TRANSITIONS[transfer.state]:
+            raise ProtocolError(
+                f"consumer: transfer {transfer.transfer_id!r} cannot go from "
+                f"{transfer.state} to {state}"
+            )
+        transfer.state = state
+
     def _forget(self, transfer: _Transfer) -> None:
+        self._move(transfer, State.ENDED)
         self._transfers.pop(transfer.transfer_id, None)
         self._ended[transfer.transfer_id] = None
         if len(self._ended) > _ENDED_MEMORY:
@@ -495,7 +534,7 @@ class Consumer:
         """Transfers with blocks that have not ended yet."""
         return [t.transfer_id for t in self._transfers.values() if t.blocks is not None]
 
-    def state_of(self, transfer_id: str) -> str | None:
+    def state_of(self, transfer_id: str) -> State | None:
         transfer = self._transfers.get(transfer_id)
         return transfer.state if transfer else None
 
@@ -514,3 +553,12 @@ def _not_the_named_producer(transfer: _Transfer, hello: Hello | None) -> str:
             f"decode leg names boot {transfer.epoch!r}"
         )
     return ""
+
+
+def transition_table() -> str:
+    """TRANSITIONS as the Markdown table docs/protocol.md shows (a test keeps them equal)."""
+    rows = ["| from | may go to |", "|---|---|"]
+    for state, targets in TRANSITIONS.items():
+        if targets:
+            rows.append(f"| `{state}` | {', '.join(f'`{t}`' for t in sorted(targets))} |")
+    return "\n".join(rows)

@@ -6,12 +6,14 @@ no request left waiting, no WRITE landing in a block that was not its own.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from protocol_sim import PRODUCER, Sim
 
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.consumer import TRANSITIONS, Consumer, State, transition_table
 from kvpush.protocol.messages import Cancel, CancelAck, Complete, Failed, Grant, Register
 
 
@@ -647,3 +649,31 @@ def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim()
     assert [type(s.message).__name__ for s in ok.on_ready(PRODUCER, sim.producer_hello, 0.1)] == [
         "Register"
     ]
+
+
+def test_the_consumer_state_table_in_the_docs_is_the_codes():
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    start = doc.index("<!-- consumer-transitions")
+    shown = doc[doc.index("\n", start) + 1 : doc.index("<!-- end consumer-transitions")]
+    assert shown.strip() == transition_table()
+
+
+def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
+    consumer = Consumer(ProtocolConfig(), "digest")
+    consumer.announce("t1", PRODUCER, 0.0)
+    assert State.LANDING not in TRANSITIONS[State.ANNOUNCED]
+    with pytest.raises(ProtocolError, match="cannot go from announced to landing"):
+        consumer._move(consumer._transfers["t1"], State.LANDING)
+
+
+def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
+    """No WRITE can target blocks never registered: holding them would only leak time,
+    and an announced transfer must stay free to be expected."""
+    sim = Sim()
+    consumer = Consumer(ProtocolConfig(), "digest")
+    consumer.announce("t1", PRODUCER, 0.0)
+    consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    consumer.on_message(PRODUCER, Failed("t1", "aborted", may_land=True), 0.2)
+    assert consumer.state_of("t1") is None
+    consumer.expect("t1", PRODUCER, [1, 2], 0.3)  # a new claim, not "already expected"
+    assert consumer.state_of("t1") == State.REGISTERED
