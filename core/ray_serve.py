@@ -66,6 +66,9 @@ class KVPushBackend(BaseConnectorBackend):
         extra = self._extra()
         host = ray.util.get_node_ip_address()
         extra.setdefault("host", host)
+        if extra.get("identity_port"):
+            # A base, like every port a deployment's replicas share a config for.
+            extra["identity_port"] = int(extra["identity_port"]) + self._compute_port_offset()
         if not self._push:
             return
         # Decode legs learn the port from this replica's metadata, so any free one

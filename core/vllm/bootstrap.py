@@ -93,6 +93,13 @@ class BootstrapResolver:
             self._ask(address)
             return None
 
+    def forget(self, address: str) -> None:
+        """A transfer from what `address` named failed: ask afresh next time (the
+        instance may have restarted under the same engine id, at new addresses)."""
+        with self._lock:
+            if address not in self._asking:
+                self._entries.pop(address, None)
+
     def _ask(self, address: str) -> None:
         """Query `address` on a thread of its own (once at a time per address)."""
         if address in self._asking:

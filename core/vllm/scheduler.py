@@ -88,6 +88,7 @@ class SchedulerSide:
         self._consuming: dict[str, str] = {}  # decode request id -> transfer id, allocated
         self._followers: dict[str, str] = {}  # decode request id -> its sibling 0's
         self._local_hits: dict[str, int] = {}
+        self._learnt_from: dict[str, str] = {}  # decode request id -> bootstrap address
         self._rejected: dict[str, str] = {}
         self._next = KVPushMetadata()
         self._ranks: dict[int, KVPushHandshake] = {}
@@ -278,6 +279,7 @@ class SchedulerSide:
             self._next.aborts.append(announced)
         self._local_hits.pop(request_id, None)
         self._rejected.pop(request_id, None)
+        self._learnt_from.pop(request_id, None)
         return False, None
 
     def update_connector_output(self, output: Any) -> None:
@@ -291,9 +293,13 @@ class SchedulerSide:
         failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
             transfer = self._consuming.pop(request_id, None)
+            learnt_from = self._learnt_from.pop(request_id, None)
             if request_id not in failed:
                 self.spans.mark(request_id, "landed")  # if no worker stamped it
-            elif transfer is not None and self.recompute_on_failure:
+                continue
+            if learnt_from is not None:
+                self.bootstrap.forget(learnt_from)
+            if transfer is not None and self.recompute_on_failure:
                 self.recomputes["transfer_failed"] += 1
 
     def stats(self) -> dict[str, dict[str, int]] | None:
@@ -354,7 +360,7 @@ class SchedulerSide:
         if request_id in self._admitted:
             return
         try:
-            if not self._learn_producer(params):
+            if not self._learn_producer(request_id, params):
                 return  # its bootstrap server is being asked; vLLM asks again
             found = _decode_leg_problem(params, self.config.protocol.mode, self.world)
         except LegError as exc:
@@ -379,7 +385,7 @@ class SchedulerSide:
         self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
         self.spans.begin(request_id, "decode", params["transfer_id"])
 
-    def _learn_producer(self, params: dict[str, Any]) -> bool:
+    def _learn_producer(self, request_id: str, params: dict[str, Any]) -> bool:
         """Complete a leg that names its producer only by a bootstrap server (a
         Mooncake-mode router's); False while the server is being asked."""
         address = params.get("remote_bootstrap_addr")
@@ -390,6 +396,7 @@ class SchedulerSide:
         if identity is None:
             return False
         params.update(decode_params(params.get("transfer_id"), identity))
+        self._learnt_from[request_id] = address
         return True
 
     def _loading(self, request_id: str) -> bool:

@@ -3,7 +3,7 @@
 Servers: a plain instance (the oracle), a prefill and a decode (kv_both, load-failure
 policy "recompute"). They start together, each pinned to a core, in a temp work dir
 that is removed afterwards with everything in it. Tests that need more servers start
-them for as long as they need them, so that at most five share the two cores.
+them for as long as they need them, so that at most six share the two cores.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """kvpush under Ray Serve LLM's prefill/decode application (`build_pd_openai_app`), on
 a local Ray cluster: push mode with kvpush's connector backend (both legs at once),
-and pull mode through Ray's sequential hand-off. Answers equal a plain instance's;
-a prefill with other K/V weights changes decode's answer (so the KV really moved:
-a silent recompute would answer right too); nothing stays in flight."""
+push mode through Ray's default sequential hand-off (backend not registered), pull
+mode, and two prefill replicas. Answers equal a plain instance's; a prefill with
+other K/V weights changes decode's answer (so the KV really moved: a silent
+recompute would answer right too); nothing stays in flight."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import shutil
 import tempfile
@@ -19,6 +21,7 @@ pytest.importorskip("ray.serve.llm", reason="Ray Serve LLM is not installed: pip
 
 import ray
 from ray import serve
+from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 from ray.serve.llm import build_pd_openai_app
 
 import kvpush.ray_serve
@@ -50,8 +53,10 @@ def ray_cluster() -> Iterator[str]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _llm_config(model, role: str, mode: str, core: int, identity_port: int) -> dict:
-    extra = {"mode": mode, "identity_port": identity_port}
+def _llm_config(
+    model, role: str, mode: str, core: int, identity_port: int, replicas: int = 1
+) -> dict:
+    extra = {"mode": mode, "identity_port": identity_port}  # replica r: identity_port + r
     return {
         "model_loading_config": {"model_id": MODEL_NAME, "model_source": str(model)},
         "engine_kwargs": {
@@ -59,7 +64,8 @@ def _llm_config(model, role: str, mode: str, core: int, identity_port: int) -> d
                                    "kv_connector_extra_config": extra},
             "enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "seed": 0,
         },
-        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+        "deployment_config": {"autoscaling_config": {"min_replicas": replicas,
+                                                     "max_replicas": replicas}},
         "placement_group_config": {"bundles": [{"CPU": 1}]},
         "runtime_env": {"env_vars": {
             "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -68,32 +74,46 @@ def _llm_config(model, role: str, mode: str, core: int, identity_port: int) -> d
     }  # fmt: skip
 
 
-def _deploy(prefill_model, decode_model, mode: str) -> dict[str, str]:
-    """The P/D application, serving: each instance's identity URL."""
-    ports = {"prefill": free_port(), "decode": free_port()}
+def _deploy(prefill_model, decode_model, mode: str, prefills: int = 1) -> dict[str, str]:
+    """The P/D application, serving: each instance's identity URL (prefill replicas
+    are prefill0, prefill1, ...)."""
+    prefill_port, decode_port = free_port(), free_port()
     app = build_pd_openai_app({
-        "prefill_config": _llm_config(prefill_model, "kv_producer", mode, 0, ports["prefill"]),
-        "decode_config": _llm_config(decode_model, "kv_consumer", mode, 1, ports["decode"]),
+        "prefill_config": _llm_config(prefill_model, "kv_producer", mode, 0, prefill_port,
+                                      prefills),
+        "decode_config": _llm_config(decode_model, "kv_consumer", mode, 1, decode_port),
     })  # fmt: skip
     serve.run(app, name="pd", route_prefix="/")
     host = ray.util.get_node_ip_address()  # the backend binds kvpush there, not loopback
-    return {name: f"http://{host}:{port}" for name, port in ports.items()}
+    identities = {f"prefill{r}": f"http://{host}:{prefill_port + r}" for r in range(prefills)}
+    return {**identities, "decode": f"http://{host}:{decode_port}"}
 
 
 def _answers(client: Client, url: str) -> list[list[int]]:
     return [client.tokens(url, prompt(n, 3300 + n)) for n in LENGTHS]
 
 
-def _both_legs_were_sent_at_once(client: Client, identities: dict[str, str]) -> None:
-    """kvpush's backend shaped the legs (its transfer ids), and each decode leg
-    arrived before prefill had computed its KV: Ray did not wait for prefill."""
+def _traces(client: Client, identities: dict[str, str]) -> tuple[list[dict], dict[str, dict]]:
+    """Decode's recent requests, and every prefill replica's by transfer id."""
     decoded = client.http.get(identities["decode"] + "/kvpush/trace").json()
-    prefilled = client.http.get(identities["prefill"] + "/kvpush/trace").json()
-    computed = {t["transfer_id"]: t["marks"]["computed"] for t in prefilled}
+    prefilled = {}
+    for name, identity in identities.items():
+        if name.startswith("prefill"):
+            for trace in client.http.get(identity + "/kvpush/trace").json():
+                prefilled[trace["transfer_id"]] = {**trace, "replica": name}
+    return decoded, prefilled
+
+
+def _hand_off(client: Client, identities: dict[str, str], concurrent: bool) -> None:
+    """Concurrent: kvpush's backend shaped the legs (its transfer ids) and each decode
+    leg arrived before prefill had computed its KV. Sequential: Ray's default shape
+    (the prefill instance named the transfer) and decode arrived after."""
+    decoded, prefilled = _traces(client, identities)
     assert len(decoded) == len(LENGTHS)
     for trace in decoded:
-        assert trace["transfer_id"].startswith("ray-"), trace
-        assert trace["marks"]["arrived"] < computed[trace["transfer_id"]], trace
+        computed = prefilled[trace["transfer_id"]]["marks"]["computed"]
+        assert trace["transfer_id"].startswith("ray-") == concurrent, trace
+        assert (trace["marks"]["arrived"] < computed) == concurrent, trace
 
 
 def _drained(client: Client, identities: dict[str, str]) -> None:
@@ -102,17 +122,37 @@ def _drained(client: Client, identities: dict[str, str]) -> None:
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", ["push", "push-sequential", "pull"])
 def test_ray_pd_application_answers_as_a_plain_instance(cluster, ray_cluster, client, mode):
     expected = _answers(client, cluster.servers["single"].url)
-    url, identities = ray_cluster, _deploy(cluster.model, cluster.model, mode)
+    if mode == "push-sequential":  # Ray's default backend: NIXL's sequential shape
+        KVConnectorBackendFactory.unregister_backend(kvpush.ray_serve.CONNECTOR)
     try:
+        url, identities = ray_cluster, _deploy(cluster.model, cluster.model, mode.split("-")[0])
         started = time.monotonic()
         assert _answers(client, url) == expected
         assert time.monotonic() - started < 120
         _drained(client, identities)
-        if mode == "push":
-            _both_legs_were_sent_at_once(client, identities)
+        if mode != "pull":
+            _hand_off(client, identities, concurrent=mode == "push")
+    finally:
+        serve.delete("pd")
+        kvpush.ray_serve.register()
+
+
+def test_ray_pd_two_prefill_replicas_share_the_load(cluster, ray_cluster, client):
+    single = cluster.servers["single"].url
+    prompts = [prompt(150 + 50 * i, 3400 + i) for i in range(8)]
+    expected = [client.tokens(single, p) for p in prompts]
+    url, identities = ray_cluster, _deploy(cluster.model, cluster.model, "push", prefills=2)
+    try:
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: client.tokens(url, p), prompts))
+        assert got == expected
+        _drained(client, identities)
+        _, prefilled = _traces(client, identities)
+        served = {trace["replica"] for trace in prefilled.values()}
+        assert served == {"prefill0", "prefill1"}, f"only {served} computed any prompt"
     finally:
         serve.delete("pd")
 

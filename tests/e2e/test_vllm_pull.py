@@ -8,6 +8,7 @@ from conftest import (
     assert_request_shapes_match,
     assert_shared_prefixes_match,
     extra_pair,
+    perturbed_copy,
     prompt,
 )
 
@@ -75,6 +76,23 @@ def test_pull_behind_a_sequential_orchestrator_without_transfer_ids(cluster, pul
         assert echo["transfer_mode"] == "pull"
         assert tokens == client.tokens(cluster.servers["single"].url, prompt(n, 2100 + n)), n
     assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + 2
+
+
+def test_pull_sequential_legs_from_a_prefill_with_other_kv_weights_change_decode_output(
+    cluster, pull_pair, client
+):
+    """The negative control for the sequential flow in pull mode: decode reads the KV."""
+    wrong = perturbed_copy(cluster.model, cluster.workdir / "model-other-kv-pull")
+    cluster.add_server("pull_prefill_other_kv", "kv_producer", core=0, mode="pull", model=wrong)
+    try:
+        cluster.start("pull_prefill_other_kv")
+        other = cluster.servers["pull_prefill_other_kv"].url
+        decode, single = cluster.servers["pull_decode"].url, cluster.servers["single"].url
+        for n in (129, 450):
+            _, got = client.sequential(other, decode, prompt(n, 2200 + n))
+            assert got != client.tokens(single, prompt(n, 2200 + n)), f"decode ignored the KV ({n})"
+    finally:
+        cluster.servers.pop("pull_prefill_other_kv").stop()
 
 
 def test_fail_policy_turns_a_lost_transfer_into_an_error(cluster, pull_pair, client):

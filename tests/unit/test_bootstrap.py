@@ -146,3 +146,35 @@ def _empty_step():
         total_num_scheduled_tokens=0,
         finished_req_ids=set(),
     )
+
+
+def test_a_failed_transfer_makes_decode_ask_the_bootstrap_server_afresh():
+    """An instance restarted under the same engine id (pinned by its operator) has new
+    addresses and a new boot: the cached answer must not outlive a failure."""
+    asked = []
+
+    def fetch(address):
+        asked.append(address)
+        return mooncake_query({**IDENTITY, "tp_size": 1, "addresses": ["10.0.0.5:7100"]})
+
+    decode = SchedulerSide(
+        ConnectorConfig.from_extra({}), "engine-d", 128, 1, bootstrap=BootstrapResolver(fetch)
+    )
+    try:
+        leg = {"do_remote_prefill": True, "transfer_id": "xfer-8", "remote_engine_id": "engine-p",
+               "remote_bootstrap_addr": "http://p:8998"}  # fmt: skip
+        request = _decode_leg_request("d1", dict(leg))
+        decode.on_new_request(request)
+        _settle(lambda: decode.get_num_new_matched_tokens(request, 0)[0])
+        decode.update_state_after_alloc(
+            request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 300
+        )
+        decode.update_connector_output(
+            SimpleNamespace(finished_sending=None, finished_recving={"d1"}, failed_recving={"d1"})
+        )
+        again = _decode_leg_request("d2", dict(leg))
+        decode.on_new_request(again)
+        _settle(lambda: decode.get_num_new_matched_tokens(again, 0)[0])
+        assert asked == ["http://p:8998", "http://p:8998"]
+    finally:
+        decode.close()
