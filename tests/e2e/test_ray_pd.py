@@ -84,7 +84,9 @@ def _deploy(prefill_model, decode_model, mode: str, prefills: int = 1) -> dict[s
         "decode_config": _llm_config(decode_model, "kv_consumer", mode, 1, decode_port),
     })  # fmt: skip
     serve.run(app, name="pd", route_prefix="/")
-    host = ray.util.get_node_ip_address()  # the backend binds kvpush there, not loopback
+    # kvpush's backend binds kvpush on the node's address; without it, loopback.
+    registered = KVConnectorBackendFactory.is_registered(kvpush.ray_serve.CONNECTOR)
+    host = ray.util.get_node_ip_address() if registered else "127.0.0.1"
     identities = {f"prefill{r}": f"http://{host}:{prefill_port + r}" for r in range(prefills)}
     return {**identities, "decode": f"http://{host}:{decode_port}"}
 
