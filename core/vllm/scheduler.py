@@ -77,8 +77,7 @@ class SchedulerSide:
         self.recomputes: Counter[str] = Counter()  # reason -> decode prompts computed here
         self.dp_rank = dp_rank
         self.bootstrap = bootstrap or BootstrapResolver()
-        self._named_transfers = 0  # prefill legs that came without a transfer id
-        self._warned: set[str] = set()
+        self._said: set[str] = set()  # what was logged once already
         self.epoch = os.urandom(4).hex()
         self._ids = EngineTransfers()
         self._producing: dict[str, _Producing] = {}
@@ -300,7 +299,7 @@ class SchedulerSide:
             if learnt_from is not None:
                 self.bootstrap.forget(learnt_from)
             if transfer is not None and self.recompute_on_failure:
-                self.recomputes["transfer_failed"] += 1
+                self._recomputed("transfer_failed")
 
     def stats(self) -> dict[str, dict[str, int]] | None:
         """Decode prompts computed here since the last call, by reason (None: none)."""
@@ -339,20 +338,25 @@ class SchedulerSide:
         """A transfer id for a prefill leg that brought none, alike for every engine
         request of one API request (a list's prompts, n's choices), as the decode leg
         will get only one echo for them all."""
-        if not self._named_transfers:
-            log.info(
-                "kvpush: prefill legs come without a transfer_id (a sequential "
-                "orchestrator): naming their transfers here and echoing them to decode"
-            )
-        self._named_transfers += 1
+        self._once(
+            "named",
+            logging.INFO,
+            "prefill legs come without a transfer_id (a sequential orchestrator): "
+            "naming their transfers here and echoing them to decode",
+        )
         return api_request_id(request_id)
 
-    def _recomputed(self, reason: str, message: str) -> None:
-        """A decode prompt no transfer serves: say so (once in the log, always in metrics)."""
-        if reason not in self._warned:
-            self._warned.add(reason)
-            log.warning("kvpush: %s (counted in vllm:kvpush_local_recomputes_total)", message)
+    def _recomputed(self, reason: str, message: str = "") -> None:
+        """A decode prompt no transfer serves: always in metrics, and once in the log
+        when the caller has not logged it itself."""
+        if message:
+            self._once(reason, logging.WARNING, f"{message} (vllm:kvpush_local_recomputes_total)")
         self.recomputes[reason] += 1
+
+    def _once(self, key: str, level: int, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.log(level, "kvpush: %s", message)
 
     def _admit_decode(self, request: Any, params: dict[str, Any]) -> None:
         """Name a decode leg's transfer and announce it to the producer, once."""
@@ -371,7 +375,7 @@ class SchedulerSide:
             self._rejected[request_id] = problem
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
             if self.recompute_on_failure:
-                self.recomputes[reason] += 1
+                self._recomputed(reason)
             return
         tid, leader = self._ids.assign(request, params["transfer_id"])
         if leader is not None and leader in self._admitted:

@@ -7,6 +7,7 @@ reports (aggregate), logs a summary (reduce) and feeds Prometheus (observe).
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,7 @@ class KVPushStats(KVConnectorStats):
         for key in SAMPLES:
             self.data[key] = self.data[key] + list(other.data.get(key, []))
         for key in BY_REASON:
-            merged = dict(self.data[key])
-            for reason, count in (other.data.get(key) or {}).items():
-                merged[reason] = merged.get(reason, 0) + count
-            self.data[key] = merged
+            self.data[key] = dict(Counter(self.data[key]) + Counter(other.data.get(key) or {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -52,8 +50,9 @@ class KVPushStats(KVConnectorStats):
         samples = self.data["done_to_ready_s"]
         if samples:
             summary["done_to_ready_p50_ms"] = round(1e3 * statistics.median(samples), 3)
-        for reason, count in sorted(self.data["recomputed"].items()):
-            summary[f"recomputed_{reason}"] = count
+        for key in BY_REASON:
+            for reason, count in sorted(self.data[key].items()):
+                summary[f"{key}_{reason}"] = count
         return summary
 
     def is_empty(self) -> bool:
