@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from kvpush.bench.report import Report
+from kvpush.node import Node, NodeConfig
 from kvpush.plugins import get_backends
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.runtime.node import Node, NodeConfig
 
 # 32 layers, as an 8B-parameter model has; 8 blocks of 8 KiB each per layer: 2 MiB a request.
 LAYERS, POOL_BLOCKS, BLOCK_BYTES, BLOCKS_PER_REQUEST = 32, 512, 8 * 1024, 8

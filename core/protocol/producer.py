@@ -2,7 +2,7 @@
 
 Events come in as method calls with the current time; the returned actions say what
 to send, what to WRITE and when the engine may free a request's blocks. No sockets,
-threads or clocks: the I/O layer (kvpush.runtime) does those.
+threads or clocks: the I/O layer (kvpush.node) does those.
 
 For every transfer whose KV became ready the producer emits exactly one
 ReleaseBlocks; it never posts a WRITE into blocks the consumer did not register,

@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 from kvpush.errors import ConfigError, KVPushError
+from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends, get_backends
 from kvpush.protocol.auth import load_secret
-from kvpush.runtime.node import Node, NodeConfig
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta, Produce
 from kvpush.vllm.park import Parking

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
 import kv_devices
 import kvpush_example_backend as example
 
+from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.runtime.node import Node, NodeConfig
 
 GATE = threading.Event()
 GATE.set()
@@ -156,8 +156,8 @@ class NodePeer:
 
     def pairings(self) -> dict:
         """For each paired peer: whether transfers go at K/V granularity (layouts differ)."""
-        links = self.node.loop.call(lambda: list(self.node._links.values()))
-        return {"split": sorted(link.split for link in links if link.ready)}
+        routes = self.node.loop.call(lambda: list(self.node.data.routes.values()))
+        return {"split": sorted(route.split for route in routes)}
 
     def abort(self, tid: str) -> dict:
         self.node.abort(tid)

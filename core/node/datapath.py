@@ -1,0 +1,391 @@
+"""The data path: NIXL transfers between this worker's KV cache and its peers'.
+
+It holds what moving bytes needs — each paired peer's descriptor table, the fences a
+WRITE waits on, the blocks a consumer expects, the transfers in flight — and reports
+how each transfer ended as Settled records, without knowing the protocol machines.
+Everything here runs on the Node's loop thread (the NIXL agent is single-threaded).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvpush.device import DeviceKV
+from kvpush.errors import KVPushError, TransportError
+from kvpush.layout import BlockTable, KVLayout, pairing_split
+from kvpush.node.interpreter import Counter, Settled
+from kvpush.plugins import Backends
+from kvpush.protocol import actions as act
+from kvpush.protocol.messages import join_notifs
+from kvpush.transport.agent import PreparedList, Transfer
+
+log = logging.getLogger(__name__)
+
+# A batched WRITE's notification lists every transfer it ends: keep it small.
+MAX_WRITES_PER_POST = 64
+
+
+class Agent(Protocol):
+    """What the data path uses of kvpush.transport.agent.NixlAgent."""
+
+    name: str
+
+    @property
+    def peers(self) -> set[str]: ...
+
+    def metadata(self) -> bytes: ...
+
+    def add_peer(self, blob: bytes) -> str: ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def prepare(self, rows: np.ndarray, mem_type: str, peer: str | None = None) -> PreparedList: ...
+
+    def post(
+        self,
+        op: str,
+        local: PreparedList,
+        local_ids: np.ndarray,
+        remote: PreparedList,
+        remote_ids: np.ndarray,
+        notif: bytes = b"",
+        nbytes: int = 0,
+    ) -> Transfer: ...
+
+    def done(self, transfer: Transfer) -> bool: ...
+
+    def release(self, transfer: Transfer) -> None: ...
+
+    def notifs(self) -> list[tuple[str, bytes]]: ...
+
+
+@dataclass
+class Route:
+    """How to address one paired peer's KV cache."""
+
+    agent_peer: str  # the peer's NIXL agent name
+    split: bool  # K and V addressed separately (the layouts differ)
+    table: BlockTable
+    prepared: PreparedList
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One kvpush transfer's rows in a NIXL transfer."""
+
+    transfer_id: str
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+    nbytes: int
+    notif: bytes
+
+
+@dataclass
+class _InFlight:
+    """One NIXL transfer and the kvpush transfers it carries, with their bytes.
+
+    A READ carries one; a WRITE carries every transfer one hand-off made ready for
+    the same consumer (a forward pass's batch), so a layer costs one post, not one
+    per request.
+    """
+
+    transfer: Transfer
+    posted: float
+    deadline: float
+    parts: list[tuple[str, int]]
+
+
+class DataPath:
+    """Moves KV for one worker rank: routes, fences, staging and transfers in flight."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        kv: DeviceKV,
+        backends: Backends,
+        metrics: Counter,
+        write_grace_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.agent = agent
+        self.kv = kv
+        self.backends = backends
+        self.metrics = metrics
+        self.write_grace_s = write_grace_s
+        self.clock = clock
+        self.agent_metadata = agent.metadata()  # what peers load to reach our memory
+        self.routes: dict[str, Route] = {}  # link peer -> how to reach its memory
+        self._notifiers: dict[str, str] = {}  # NIXL agent name -> link peer (outgoing)
+        self._local_tables: dict[bool, tuple[BlockTable, PreparedList]] = {}
+        self._fences: dict[str, dict[int, Any]] = {}  # transfer -> layers ready -> fence
+        self._expected: dict[str, tuple[list[int], float]] = {}
+        self.writes: list[_InFlight] = []
+        self.reads: list[_InFlight] = []
+        self.local(False)
+
+    # -- peers -------------------------------------------------------------------------
+
+    def pair(
+        self, peer: str, agent_name: str, layout: KVLayout, metadata: bytes, notifies: bool
+    ) -> None:
+        """Load a peer's NIXL metadata and prepare its descriptor table. `notifies`:
+        its NIXL notifications reach us (we dialled it, so it writes to us)."""
+        added = agent_name not in self.agent.peers
+        # Already paired over another link (a kv_both peer dialled us too): agent
+        # names carry the boot epoch, so it is the same incarnation; share it.
+        agent_peer = self.agent.add_peer(metadata) if added else agent_name
+        try:
+            split = pairing_split(self.kv.layout, layout)
+            table = BlockTable(layout, split)
+            prepared = self.agent.prepare(table.rows, layout.mem_type, agent_peer)
+            self.local(split)
+        except Exception:
+            if added:
+                self._forget_agent(agent_peer)
+            raise
+        self.routes[peer] = Route(agent_peer, split, table, prepared)
+        if notifies:
+            self._notifiers[agent_peer] = peer
+
+    def unpair(self, peer: str) -> None:
+        """The link to `peer` is gone; drop its NIXL peer once nothing uses it."""
+        route = self.routes.pop(peer, None)
+        if route is None:
+            return
+        shared = any(r.agent_peer == route.agent_peer for r in self.routes.values())
+        busy = any(f.transfer.peer == route.agent_peer for f in [*self.writes, *self.reads])
+        if not shared and not busy:
+            self._forget_agent(route.agent_peer)
+
+    def _forget_agent(self, agent_peer: str) -> None:
+        self._notifiers.pop(agent_peer, None)
+        try:
+            self.agent.remove_peer(agent_peer)
+        except TransportError as exc:
+            log.debug("kvpush: removing NIXL peer %s: %s", agent_peer, exc)
+
+    def local(self, split: bool) -> tuple[BlockTable, PreparedList]:
+        """Our own descriptor table, K and V apart or together, prepared once."""
+        if split not in self._local_tables:
+            table = BlockTable(self.kv.layout, split)
+            prepared = self.agent.prepare(table.rows, self.kv.layout.mem_type)
+            self._local_tables[split] = (table, prepared)
+        return self._local_tables[split]
+
+    # -- what the engine said ------------------------------------------------------------
+
+    def expect(self, transfer_id: str, block_ids: list[int]) -> None:
+        """These blocks will receive `transfer_id`'s KV."""
+        self._expected[transfer_id] = (block_ids, self.clock())
+
+    def add_fence(self, transfer_id: str, upto: int, fence: Any) -> bool:
+        """Layers 0..upto-1 are computed, their last device write marked by `fence`;
+        True the first time the transfer is seen."""
+        first = transfer_id not in self._fences
+        fences = self._fences.setdefault(transfer_id, {})
+        if fence is not None:
+            fences[upto] = fence
+        return first
+
+    def drop_fences(self, transfer_id: str) -> None:
+        self._fences.pop(transfer_id, None)
+
+    def drop_expected(self, transfer_id: str) -> None:
+        self._expected.pop(transfer_id, None)
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def expose(self, transfer_id: str, block_ids: list[int]) -> None:
+        """A READ copies whatever the memory holds: make it the finished KV first."""
+        self._wait_fences(transfer_id, len(self.kv.layout.layers))
+        self.backends.stage(self.kv, block_ids, "to_host")
+
+    def landed(self, transfer_id: str) -> int:
+        """The KV of `transfer_id` is in our memory: stage it onto the device; its bytes."""
+        blocks, started = self._expected.pop(transfer_id, ([], self.clock()))
+        self.backends.stage(self.kv, blocks, "to_device")
+        self.metrics.observe("consumer_wait_seconds", self.clock() - started)
+        # Counted from our own layout: the notification that delivers a push transfer
+        # often beats the Complete message that carries the producer's count.
+        table, _ = self.local(False)
+        return int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
+
+    def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
+        """Post WRITEs: one NIXL transfer per consumer for all of them (up to a cap)."""
+        by_peer: dict[str, list[act.PostWrite]] = {}
+        for write in writes:
+            by_peer.setdefault(write.peer, []).append(write)
+        settled: list[Settled] = []
+        for peer, group in by_peer.items():
+            for start in range(0, len(group), MAX_WRITES_PER_POST):
+                settled += self._post_write_group(peer, group[start : start + MAX_WRITES_PER_POST])
+        return settled
+
+    def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
+        """Fence and stage each WRITE's source, then post them as one; a WRITE that
+        cannot go fails alone, the rest still go."""
+        route = self.routes.get(peer)
+        settled: list[Settled] = []
+        parts: list[_Part] = []
+        for write in group:
+            try:
+                if route is None:
+                    raise TransportError("WRITE", "the consumer's session is gone", peer)
+                self._wait_fences(write.transfer_id, write.layers[1])
+                self.backends.stage(self.kv, write.src_blocks, "to_host")
+                parts.append(self._part(route, write.transfer_id, write.src_blocks,
+                                        write.dst_blocks, write.layers, write.notif))  # fmt: skip
+            except Exception as exc:  # fencing, staging or descriptors: nothing was posted
+                if not isinstance(exc, KVPushError):
+                    log.error("kvpush: preparing a WRITE failed", exc_info=True)
+                settled.append(Settled("WRITE", write.transfer_id, False, str(exc)))
+        if not parts:
+            return settled
+        assert route is not None
+        try:
+            flight = self._post(self.writes, "WRITE", route, parts)
+        except Exception as exc:  # NIXL refused the post: nothing is in flight
+            return settled + [Settled("WRITE", p.transfer_id, False, str(exc)) for p in parts]
+        return settled + self._settle_if_finished(self.writes, flight)
+
+    def post_read(self, read: act.PostRead) -> list[Settled]:
+        route = self.routes.get(read.peer)
+        try:
+            if route is None:
+                raise TransportError("READ", "the producer's session is gone", read.peer)
+            part = self._part(route, read.transfer_id, read.local_blocks,
+                              read.remote_blocks, None, b"")  # fmt: skip
+            flight = self._post(self.reads, "READ", route, [part])
+        except Exception as exc:  # nothing was posted
+            return [Settled("READ", read.transfer_id, False, str(exc))]
+        return self._settle_if_finished(self.reads, flight)
+
+    def _part(
+        self,
+        route: Route,
+        transfer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: tuple[int, int] | None,
+        notif: bytes,
+    ) -> _Part:
+        """One transfer's share of a NIXL transfer: its rows on both sides."""
+        local_table, _ = self.local(route.split)
+        local_ids = local_table.ids(local_blocks, layers)
+        remote_ids = route.table.ids(remote_blocks, layers)
+        nbytes = int(local_table.rows[local_ids, 1].sum())
+        return _Part(transfer_id, local_ids, remote_ids, nbytes, notif)
+
+    def _post(self, table: list[_InFlight], op: str, route: Route, parts: list[_Part]) -> _InFlight:
+        _, local_list = self.local(route.split)
+        local_ids = np.concatenate([part.local_ids for part in parts])
+        remote_ids = np.concatenate([part.remote_ids for part in parts])
+        notif = join_notifs([part.notif for part in parts if part.notif])
+        nbytes = sum(part.nbytes for part in parts)
+        started = self.clock()
+        transfer = self.agent.post(
+            op, local_list, local_ids, route.prepared, remote_ids, notif, nbytes
+        )
+        posted = self.clock()
+        self.metrics.observe("post_seconds", posted - started)
+        sizes = [(part.transfer_id, part.nbytes) for part in parts]
+        flight = _InFlight(transfer, posted, started + self.write_grace_s, sizes)
+        table.append(flight)
+        return flight
+
+    def _wait_fences(self, transfer_id: str, upto: int) -> None:
+        """Wait on the fence of every layer the WRITE reads.
+
+        Each, not just the latest: a backend's fence may cover only its own layer.
+        """
+        fences = self._fences.get(transfer_id, {})
+        for layers in sorted(layers for layers in fences if layers <= upto):
+            self.backends.wait_fence(self.kv, fences.pop(layers))
+
+    # -- progress ----------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """NIXL transfers of ours are in flight."""
+        return bool(self.writes or self.reads)
+
+    def progress(self) -> list[Settled]:
+        """Every finished, failed or overdue transfer, settled."""
+        now = self.clock()
+        return self._check(self.writes, now) + self._check(self.reads, now)
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        """NIXL notifications since the last call, as (link peer, message); those from
+        agents we did not dial are counted and dropped."""
+        try:
+            batch = self.agent.notifs()
+        except TransportError as exc:
+            log.warning("kvpush: polling notifications: %s", exc)
+            return []
+        known = []
+        for agent_peer, message in batch:
+            peer = self._notifiers.get(agent_peer)
+            if peer is None:
+                self.metrics.inc("rejected_notifs", why="unknown_agent")
+            else:
+                known.append((peer, message))
+        return known
+
+    def _settle_if_finished(self, table: list[_InFlight], flight: _InFlight) -> list[Settled]:
+        """A transfer that completed inside its posting call ends now, not at the next poll."""
+        if not flight.transfer.finished:
+            return []
+        table.remove(flight)
+        return self._succeeded(flight, self.clock())
+
+    def _succeeded(self, flight: _InFlight, now: float) -> list[Settled]:
+        self.agent.release(flight.transfer)
+        self.metrics.observe("transfer_seconds", now - flight.posted)
+        self.metrics.inc("bytes_moved", flight.transfer.nbytes, op=flight.transfer.op)
+        return _settled(flight, True)
+
+    def _check(self, table: list[_InFlight], now: float) -> list[Settled]:
+        settled: list[Settled] = []
+        for flight in list(table):
+            try:
+                done = self.agent.done(flight.transfer)
+            except TransportError as exc:
+                table.remove(flight)
+                settled += _settled(flight, False, str(exc))
+                continue
+            if done:
+                table.remove(flight)
+                settled += self._succeeded(flight, now)
+            elif now > flight.deadline:
+                table.remove(flight)
+                self._abandon(flight.transfer)
+                settled += _settled(flight, False, "timed out", may_land=True)
+        return settled
+
+    def _abandon(self, transfer: Transfer) -> None:
+        # Releasing an unfinished transfer asks NIXL to abort it.
+        try:
+            self.agent.release(transfer)
+        except TransportError as exc:
+            log.warning("kvpush: aborting a stuck %s: %s", transfer.op, exc)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "writes_in_flight": len(self.writes),
+            "reads_in_flight": len(self.reads),
+            "fences_held": len(self._fences),
+        }
+
+
+def _settled(
+    flight: _InFlight, ok: bool, detail: str = "", may_land: bool = False
+) -> list[Settled]:
+    return [
+        Settled(flight.transfer.op, tid, ok, detail, nbytes if ok else 0, may_land)
+        for tid, nbytes in flight.parts
+    ]

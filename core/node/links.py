@@ -1,0 +1,217 @@
+"""Links: the side-channel connections to peers, from dialing to a paired NIXL peer.
+
+A link is dialled (consumers dial producers) or accepted (producers listen), then
+authenticated and handshaken; once the peer has proved it holds the deployment's
+secret, the two exchange NIXL metadata and the data path pairs them. Only then do
+protocol messages flow. What happens to a link is reported to the Node through
+LinkEvents; the Node feeds it to the protocol machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpush.errors import KVPushError, ProtocolError
+from kvpush.node.datapath import DataPath
+from kvpush.node.interpreter import Counter
+from kvpush.protocol.auth import Session
+from kvpush.protocol.handshake import pairing_problem
+from kvpush.protocol.messages import AgentMetadata, Hello, Message, Reject, Verify
+from kvpush.transport.channel import Connection, connect
+from kvpush.transport.loop import Loop
+
+log = logging.getLogger(__name__)
+
+
+class LinkEvents(Protocol):
+    """What a link reports. `outgoing`: we dialled it (we are the consumer side)."""
+
+    def on_ready(self, peer: str, hello: Hello, outgoing: bool) -> None: ...
+
+    def on_message(self, peer: str, message: Message, outgoing: bool) -> None: ...
+
+    def on_lost(self, peer: str, reason: str, outgoing: bool, was_ready: bool) -> None: ...
+
+
+@dataclass
+class _Link:
+    """One side-channel connection and how far its handshake got."""
+
+    peer: str  # the machines' name for it: "host:port" outgoing, "c<n>" incoming
+    conn: Connection
+    session: Session
+    outgoing: bool
+    ready: bool = False
+    hello: Hello | None = None
+    # Handshake: "hello" (waiting for the peer's), then the initiator waits for
+    # "verify" and both for "metadata"; ready once NIXL is paired.
+    stage: str = "hello"
+
+
+class Links:
+    """Every side-channel connection of one Node; runs on its loop thread."""
+
+    def __init__(
+        self,
+        loop: Loop,
+        data: DataPath,
+        events: LinkEvents,
+        my_hello: Any,
+        secret: bytes,
+        metrics: Counter,
+        connect_timeout_s: float,
+    ) -> None:
+        self.loop = loop
+        self.data = data
+        self.events = events
+        self._my_hello = my_hello  # (Session) -> Hello: ours, under that session's nonce
+        self.secret = secret
+        self.metrics = metrics
+        self.connect_timeout_s = connect_timeout_s
+        self._links: dict[str, _Link] = {}
+        self._next_conn = 0
+        self.closed = False
+
+    def ready_peers(self) -> list[str]:
+        return sorted(peer for peer, link in self._links.items() if link.ready)
+
+    def send(self, peer: str, message: Message) -> None:
+        """Send a protocol message; dropped if the link is gone or not yet paired."""
+        link = self._links.get(peer)
+        if link is not None and link.ready:
+            self._send(link, message)
+
+    def connect(self, peer: str) -> None:
+        """Dial a producer off the loop thread, so an unreachable host never stalls it."""
+        host, _, port = peer.rpartition(":")
+
+        def dial() -> None:
+            try:
+                sock = connect(host, int(port), self.connect_timeout_s)
+            except (KVPushError, ValueError) as exc:
+                self.loop.call_soon(self._unreachable, peer, f"connect failed: {exc}")
+                return
+            self.loop.call_soon(self._attach, peer, sock, True)
+
+        threading.Thread(target=dial, name=f"kvpush-dial-{peer}", daemon=True).start()
+
+    def accept(self, sock: Any) -> None:
+        """The listener's callback for a producer's incoming connection."""
+        self._next_conn += 1
+        self._attach(f"c{self._next_conn}", sock, False)
+
+    def close(self) -> None:
+        self.closed = True
+        for link in list(self._links.values()):
+            link.conn.close("shutting down")
+
+    def _attach(self, peer: str, sock: Any, outgoing: bool) -> None:
+        if self.closed:
+            sock.close()
+            return
+        session = Session(self.secret, initiator=outgoing)
+        conn = Connection(self.loop, sock, self._on_frame, self._on_close, label=peer)
+        link = self._links[peer] = _Link(peer, conn, session, outgoing)
+        if outgoing:
+            self._send(link, self._my_hello(session))
+
+    def _on_frame(self, conn: Connection, frame: bytes) -> None:
+        link = self._links.get(conn.label)
+        if link is None or link.conn is not conn:
+            return
+        try:
+            message = link.session.open(frame)
+        except ProtocolError as exc:
+            why = "auth" if type(exc).__name__ == "AuthError" else "malformed"
+            self.metrics.inc("rejected_messages", why=why)
+            log.warning("kvpush: rejected a message from %s: %s", link.peer, exc)
+            if not link.ready:
+                self._refuse(link, f"handshake message refused: {exc}")
+            return
+        if link.ready:
+            self.events.on_message(link.peer, message, link.outgoing)
+        else:
+            self._handshake(link, message)
+
+    def _handshake(self, link: _Link, message: Message) -> None:
+        """Hellos first; NIXL metadata (which opens our memory to the peer) only once
+        the peer has proved, under this session's keys, that it holds the secret:
+
+            initiator -> acceptor   Hello
+            acceptor  -> initiator  Hello, Verify
+            initiator -> acceptor   AgentMetadata
+            acceptor  -> initiator  AgentMetadata
+        """
+        if isinstance(message, Reject):
+            self._refuse(link, f"the peer refused to pair: {message.reason}", tell=False)
+            return
+        expected = {"hello": Hello, "verify": Verify, "metadata": AgentMetadata}[link.stage]
+        if not isinstance(message, expected):
+            got = type(message).__name__
+            self._refuse(link, f"expected {expected.__name__} in the handshake, got {got}")
+            return
+        if isinstance(message, Hello):
+            self._on_hello(link, message)
+        elif isinstance(message, Verify):
+            link.stage = "metadata"
+            self._send(link, AgentMetadata(self.data.agent_metadata))
+        else:
+            self._on_metadata(link, message)
+
+    def _on_hello(self, link: _Link, hello: Hello) -> None:
+        mine = self._my_hello(link.session)
+        problem = pairing_problem(mine, hello)
+        if problem is not None:
+            self.metrics.inc("handshakes", result="refused")
+            self._refuse(link, problem)
+            return
+        link.hello = hello
+        if link.outgoing:
+            link.stage = "verify"
+            return
+        self._send(link, mine)
+        self._send(link, Verify())
+        link.stage = "metadata"
+
+    def _on_metadata(self, link: _Link, message: AgentMetadata) -> None:
+        hello = link.hello
+        assert hello is not None
+        try:
+            self.data.pair(
+                link.peer, hello.agent_name, hello.layout, message.metadata, notifies=link.outgoing
+            )
+        except KVPushError as exc:
+            self.metrics.inc("handshakes", result="refused")
+            self._refuse(link, f"NIXL pairing failed: {exc}")
+            return
+        if not link.outgoing:
+            self._send(link, AgentMetadata(self.data.agent_metadata))
+        link.ready = True
+        self.metrics.inc("handshakes", result="ok")
+        self.events.on_ready(link.peer, hello, link.outgoing)
+
+    def _refuse(self, link: _Link, reason: str, tell: bool = True) -> None:
+        log.warning("kvpush: handshake with %s failed: %s", link.peer, reason)
+        if tell:
+            with contextlib.suppress(KVPushError):
+                self._send(link, Reject(reason[:1000]))
+        link.conn.close(reason)
+
+    def _send(self, link: _Link, message: Message) -> None:
+        link.conn.send(link.session.seal(message))
+
+    def _on_close(self, conn: Connection, reason: str) -> None:
+        link = self._links.get(conn.label)
+        if link is None or link.conn is not conn:
+            return
+        del self._links[link.peer]
+        self.data.unpair(link.peer)
+        self.events.on_lost(link.peer, reason, link.outgoing, link.ready)
+
+    def _unreachable(self, peer: str, reason: str) -> None:
+        self.metrics.inc("handshakes", result="unreachable")
+        self.events.on_lost(peer, reason, outgoing=True, was_ready=False)

@@ -1,0 +1,391 @@
+"""A kvpush worker: the protocol machines driven by real sockets, NIXL and timers.
+
+The Node is the I/O half of the sans-I/O core. Engine threads call its methods
+(announce, expect, kv_ready, abort, ...); each call is handed to the loop thread,
+which owns the NIXL agent, the side-channel connections and the timers, feeds the
+event to the producer or consumer machine, and has the interpreter carry out the
+actions it returns — over the Links (side channel) and the DataPath (NIXL).
+Outcomes (KV delivered, transfer failed, source blocks releasable) queue up for the
+engine to collect with take_results().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.device import DeviceKV
+from kvpush.errors import KVPushError
+from kvpush.metrics import Metrics
+from kvpush.node.datapath import DataPath
+from kvpush.node.interpreter import Interpreter, Outcome
+from kvpush.node.links import Links
+from kvpush.plugins import Backends, get_backends
+from kvpush.protocol import actions as act
+from kvpush.protocol.auth import Session
+from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.messages import Hello, Identity, Message, split_notifs
+from kvpush.protocol.producer import Producer
+from kvpush.transport.agent import AgentConfig, NixlAgent
+from kvpush.transport.channel import Listener
+from kvpush.transport.loop import Loop, TimerHandle
+
+__all__ = ["Node", "NodeConfig", "Outcome"]
+
+ROLES = ("producer", "consumer", "both")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How a worker takes part: its identity, role, side channel and protocol timers."""
+
+    engine_id: str
+    role: str = "both"
+    rank: int = 0
+    world: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    secret: bytes = b""
+    nixl_backends: tuple[str, ...] = ()  # empty: the device backend's choice
+    connect_timeout_s: float = 5.0
+    epoch: str = field(default_factory=lambda: os.urandom(4).hex())
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise KVPushError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.engine_id, self.rank, self.world, self.epoch)
+
+
+class Node:
+    """One worker rank's kvpush: producer, consumer, or both."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        kv: DeviceKV,
+        backends: Backends | None = None,
+        metrics: Metrics | None = None,
+        on_outcome: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        # Called on the loop thread after each outcome is queued: must not block.
+        self._on_outcome = on_outcome
+        self.kv = kv
+        self.backends = backends or get_backends()
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.wall = wall
+        self.loop = Loop(f"kvpush-{config.engine_id}-r{config.rank}")
+        self.producer = Producer(config.protocol, num_layers=len(kv.layout.layers))
+        self.consumer = Consumer(config.protocol, kv.layout.digest())
+        # Made on the loop thread, which owns NIXL:
+        self.agent: NixlAgent | None = None
+        self.data: DataPath | None = None
+        self.links: Links | None = None
+        self.interpreter: Interpreter | None = None
+        self.listener: Listener | None = None
+        self._timer: TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._results: deque[Outcome] = deque()
+        self._results_ready = threading.Condition()
+        self._closed = False
+
+    # -- life cycle ------------------------------------------------------------------
+
+    def start(self) -> Node:
+        self.loop.start(self._init_on_loop)
+        return self
+
+    def _init_on_loop(self) -> None:
+        config = self.config
+        self.backends.bind_thread(self.kv)
+        nixl_backends = self.backends.nixl_backends(self.kv, config.nixl_backends)
+        agent_config = dataclasses.replace(config.agent, backends=tuple(nixl_backends))
+        self.agent = NixlAgent(
+            f"kvpush-{config.engine_id}-r{config.rank}-{config.epoch}", agent_config
+        )
+        self.agent.register(self.kv.layout.regions)
+        self.data = DataPath(
+            self.agent,
+            self.kv,
+            self.backends,
+            self.metrics,
+            config.protocol.write_grace_s,
+            self.clock,
+        )
+        self.links = Links(
+            self.loop,
+            self.data,
+            self,
+            self._hello,
+            config.secret,
+            self.metrics,
+            config.connect_timeout_s,
+        )
+        self.interpreter = Interpreter(
+            self.producer,
+            self.consumer,
+            self.links,
+            self.data,
+            self._publish,
+            self.metrics,
+            self.clock,
+            self.wall,
+        )
+        if config.role in ("producer", "both"):
+            self.listener = Listener(self.loop, config.host, config.port, self.links.accept)
+        self.loop.add_poller(self)
+
+    @property
+    def address(self) -> str:
+        """host:port of this node's side channel (producers and kv_both only)."""
+        if self.listener is None:
+            raise KVPushError("this node does not listen: its role is consumer")
+        return f"{self.listener.host}:{self.listener.port}"
+
+    def close(self) -> None:
+        """Close connections (peers see it at once), release NIXL, stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.loop.running:
+            try:
+                self.loop.call(self._close_on_loop, timeout=10)
+            finally:
+                self.loop.stop()
+
+    def _close_on_loop(self) -> None:
+        self.loop.remove_poller(self)
+        if self.listener is not None:
+            self.listener.close()
+        if self.links is not None:
+            self.links.close()
+        if self.agent is not None:
+            self.agent.close()
+
+    # -- engine API (any thread) -------------------------------------------------------
+
+    def announce(self, transfer_id: str, producer: str) -> None:
+        """Consumer: a request for this transfer arrived; blocks come later."""
+        self._submit(self.consumer.announce, transfer_id, producer)
+
+    def expect(
+        self,
+        transfer_id: str,
+        producer: str,
+        block_ids: Sequence[int],
+        skip_blocks: int = 0,
+        engine: str = "",
+        epoch: str = "",
+    ) -> None:
+        """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port),
+        which must be engine `engine` in boot `epoch` when given."""
+        blocks = [int(b) for b in block_ids]
+
+        def run(now: float) -> list[act.Action]:
+            assert self.data is not None
+            self.data.expect(transfer_id, blocks)
+            self.metrics.inc("transfers_started", role="consumer")
+            return self.consumer.expect(
+                transfer_id, producer, blocks, now, skip_blocks, engine, epoch
+            )
+
+        self._submit_fn(run, transfer_id)
+
+    def kv_pending(self, transfer_id: str) -> None:
+        """Producer: the engine holds the request; it will compute its KV."""
+        self._submit(self.producer.kv_pending, transfer_id)
+
+    def kv_ready(
+        self,
+        transfer_id: str,
+        block_ids: Sequence[int],
+        fence: Any = None,
+        ready_wall: float | None = None,
+        layers: int | None = None,
+    ) -> None:
+        """Producer: layers 0..layers-1 (all if None) of the request's KV are computed.
+
+        `fence` (from Backends.fence) marks the last device write of those layers; the
+        WRITE that reads them waits on it. Staged KV moves only once complete.
+        """
+        self.kv_ready_many([(transfer_id, block_ids)], fence, ready_wall, layers)
+
+    def kv_ready_many(
+        self,
+        transfers: Sequence[tuple[str, Sequence[int]]],
+        fence: Any = None,
+        ready_wall: float | None = None,
+        layers: int | None = None,
+    ) -> None:
+        """kv_ready for a batch that one forward pass computed together: one hand-off
+        to the loop thread for all of them, so their WRITEs go out back to back."""
+        total = len(self.kv.layout.layers)
+        upto = total if layers is None else min(layers, total)
+        if upto < total and self.kv.path == "staged":
+            return  # staging copies whole blocks; it waits for the last layer
+        wall = self.wall() if ready_wall is None else ready_wall
+        batch = [(tid, [int(b) for b in blocks]) for tid, blocks in transfers]
+
+        def run() -> None:
+            assert self.data is not None
+            now = self.clock()
+            actions: list[act.Action] = []
+            for transfer_id, blocks in batch:
+                if self.data.add_fence(transfer_id, upto, fence):
+                    self.metrics.inc("transfers_started", role="producer")
+                actions += self.producer.kv_ready(transfer_id, blocks, now, wall, upto)
+                if not self.producer.tracks(transfer_id):
+                    # It ended (released, aborted): no WRITE will wait on these fences.
+                    self.data.drop_fences(transfer_id)
+            self._run(actions)  # together, so their WRITEs share NIXL posts
+
+        self.loop.call_soon(run)
+
+    def abort(self, transfer_id: str) -> None:
+        """Either side: the engine dropped the request for `transfer_id`."""
+
+        def run(now: float) -> list[act.Action]:
+            return self.consumer.abort(transfer_id, now) + self.producer.abort(transfer_id, now)
+
+        self._submit_fn(run, transfer_id)
+
+    def take_results(self) -> list[Outcome]:
+        """Outcomes since the last call, oldest first."""
+        with self._results_ready:
+            results = list(self._results)
+            self._results.clear()
+        return results
+
+    def wait_results(self, timeout: float) -> list[Outcome]:
+        """take_results(), waiting up to `timeout` seconds for at least one."""
+        with self._results_ready:
+            self._results_ready.wait_for(lambda: bool(self._results), timeout)
+        return self.take_results()
+
+    def stats(self) -> dict[str, Any]:
+        """Live counts for debugging and leak checks."""
+
+        def on_loop() -> dict[str, Any]:
+            assert self.data is not None and self.links is not None
+            return {
+                "producer_holding": self.producer.holding(),
+                "consumer_waiting": self.consumer.waiting(),
+                **self.data.counts(),
+                "links": self.links.ready_peers(),
+            }
+
+        return self.loop.call(on_loop)
+
+    def _submit(self, method: Any, transfer_id: str, *args: Any) -> None:
+        self._submit_fn(lambda now: method(transfer_id, *args, now), transfer_id)
+
+    def _submit_fn(self, fn: Any, transfer_id: str) -> None:
+        def on_loop() -> None:
+            try:
+                actions = fn(self.clock())
+            except KVPushError as exc:
+                self._publish(
+                    Outcome("failed", transfer_id, "bad_request", str(exc), 0, self.wall())
+                )
+                return
+            self._run(actions)
+
+        self.loop.call_soon(on_loop)
+
+    def _publish(self, outcome: Outcome) -> None:
+        with self._results_ready:
+            self._results.append(outcome)
+            self._results_ready.notify_all()
+        if self._on_outcome is not None:
+            self._on_outcome()
+
+    # -- what the links report (loop thread) ---------------------------------------------
+
+    def _hello(self, session: Session) -> Hello:
+        assert self.agent is not None
+        return Hello(
+            identity=self.config.identity,
+            mode=self.config.protocol.mode,
+            role=self.config.role,
+            agent_name=self.agent.name,
+            layout=self.kv.layout,
+            nonce=session.nonce,
+            lease_s=self.config.protocol.lease_s,
+            registration_ttl_s=self.config.protocol.registration_ttl_s,
+        )
+
+    def on_ready(self, peer: str, hello: Hello, outgoing: bool) -> None:
+        machine = self.consumer if outgoing else self.producer
+        self._run(machine.on_ready(peer, hello, self.clock()))
+
+    def on_message(self, peer: str, message: Message, outgoing: bool) -> None:
+        machine = self.consumer if outgoing else self.producer
+        self._run(machine.on_message(peer, message, self.clock()))
+
+    def on_lost(self, peer: str, reason: str, outgoing: bool, was_ready: bool) -> None:
+        now = self.clock()
+        if outgoing and not was_ready:
+            self._run(self.consumer.on_handshake_failed(peer, reason, now))
+        elif outgoing:
+            self._run(self.consumer.on_peer_lost(peer, reason, now))
+        elif was_ready:
+            self._run(self.producer.on_peer_lost(peer, reason, now))
+
+    # -- polling and timers (loop thread) --------------------------------------------------
+
+    def _run(self, actions: list[act.Action]) -> None:
+        assert self.interpreter is not None
+        self.interpreter.run(actions)
+        self._reschedule()
+
+    def pending(self) -> bool:
+        # Also while a peer may be moving bytes into or out of our memory: some transports
+        # (UCX over TCP) complete one-sided operations only when the target calls NIXL.
+        assert self.data is not None
+        return self.data.busy() or self.consumer.awaiting_writes() or self.producer.awaiting_reads()
+
+    def poll(self) -> bool:
+        assert self.data is not None and self.interpreter is not None
+        settled = self.data.progress()
+        if settled:
+            self.interpreter.settle(settled)
+        notifs = self.data.notifs()
+        now = self.clock()
+        for peer, message in notifs:
+            actions: list[act.Action] = []
+            for notif in split_notifs(message):
+                actions += self.consumer.on_notif(peer, notif, now)
+            self.interpreter.run(actions)
+        if settled or notifs:
+            self._reschedule()
+        return bool(settled or notifs)
+
+    def _reschedule(self) -> None:
+        deadlines = [d for d in (self.producer.next_deadline(), self.consumer.next_deadline()) if d]
+        due = min(deadlines) if deadlines else None
+        if due == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = due
+        self._timer = self.loop.call_at(due, self._tick) if due is not None else None
+
+    def _tick(self) -> None:
+        self._timer = self._timer_at = None
+        now = self.clock()
+        self._run(self.producer.tick(now) + self.consumer.tick(now))
