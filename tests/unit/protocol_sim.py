@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpush.layout import BlockRun, KVLayout
+from kvpush.node.interpreter import Interpreter, Outcome, Settled
 from kvpush.protocol import actions as act
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
@@ -84,6 +85,129 @@ class ConsumerSide:
     delivered: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     reads: dict[str, act.PostRead] = field(default_factory=dict)
+    interpreter: Interpreter | None = None
+
+
+class _Recorder:
+    """Metrics as the simulation keeps them: every count, in order."""
+
+    def __init__(self, counted: list[act.Counted]) -> None:
+        self.counted = counted
+
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        self.counted.append(act.Counted(name, labels))
+
+    def observe(self, name: str, seconds: float) -> None:
+        pass
+
+
+class _ProducerPorts:
+    """The prefill engine's links and data path: the network queue and its ledger."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+
+    def send(self, peer: str, message: object) -> None:
+        self.sim.network.append((peer, "producer", message))
+
+    def connect(self, peer: str) -> None:
+        self.sim.errors.append(f"the producer dialled {peer}")
+
+    def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
+        sim = self.sim
+        for write in writes:
+            if write.transfer_id in sim.writes:
+                sim.errors.append(f"two WRITEs in flight for {write.transfer_id}")
+            sim.writes[write.transfer_id] = (write.peer, write)
+            sim.posted_at[write.transfer_id] = sim.now
+        return []
+
+    def post_read(self, read: act.PostRead) -> list[Settled]:
+        self.sim.errors.append(f"the producer posted a READ for {read.transfer_id}")
+        return []
+
+    def expose(self, transfer_id: str, block_ids: list[int]) -> None:
+        if not self.sim.p_ledger.holds(transfer_id, block_ids):
+            self.sim.errors.append(f"{transfer_id} exposed blocks it does not hold")
+
+    def landed(self, transfer_id: str) -> int:
+        self.sim.errors.append(f"the producer was delivered {transfer_id}")
+        return 0
+
+    def drop_expected(self, transfer_id: str) -> None:
+        pass
+
+    def drop_fences(self, transfer_id: str) -> None:
+        pass
+
+    def publish(self, outcome: Outcome) -> None:
+        sim, tid = self.sim, outcome.transfer_id
+        if outcome.kind != "released":
+            sim.errors.append(f"the producer reported {outcome.kind} for {tid}")
+            return
+        if tid in sim.writes:
+            sim.errors.append(f"{tid} released during its WRITE")
+        if tid in sim.released:
+            sim.errors.append(f"{tid} released twice by the producer")
+        sim.released[tid] = outcome.reason
+        sim.p_ledger.release(tid)
+
+
+class _ConsumerPorts:
+    """A decode engine's links and data path: the network, its ledger and memory."""
+
+    def __init__(self, sim: Sim, side: ConsumerSide) -> None:
+        self.sim = sim
+        self.side = side
+
+    def send(self, peer: str, message: object) -> None:
+        self.sim.network.append(("producer", self.side.name, message))
+
+    def connect(self, peer: str) -> None:
+        self.sim._handshake(self.side)
+
+    def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
+        self.sim.errors.append(f"{self.side.name} posted WRITEs")
+        return []
+
+    def post_read(self, read: act.PostRead) -> list[Settled]:
+        self.side.reads[read.transfer_id] = read
+        return []
+
+    def expose(self, transfer_id: str, block_ids: list[int]) -> None:
+        self.sim.errors.append(f"{self.side.name} exposed {transfer_id}")
+
+    def landed(self, transfer_id: str) -> int:
+        return 0
+
+    def drop_expected(self, transfer_id: str) -> None:
+        pass
+
+    def drop_fences(self, transfer_id: str) -> None:
+        pass
+
+    def publish(self, outcome: Outcome) -> None:
+        sim, side, tid = self.sim, self.side, outcome.transfer_id
+        if outcome.kind == "delivered":
+            sim._end(side, tid)
+            wrong = [
+                (b, layer)
+                for b in side.expected[tid]
+                for layer in range(sim.layers)
+                if side.memory.get((b, layer)) != tid
+            ]
+            if wrong:
+                sim.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
+            if tid in sim.stale_reads:
+                sim.errors.append(f"{tid} delivered bytes read from freed producer blocks")
+            side.delivered.append(tid)
+            side.ledger.release(tid)  # the request ran and finished with its blocks
+        elif outcome.kind == "failed":
+            sim._end(side, tid)
+            side.failed[tid] = outcome.reason
+            side.ledger.release(tid)
+        else:
+            sim.errors.append(f"{side.name} reported {outcome.kind} for {tid}")
 
 
 class Sim:
@@ -134,6 +258,12 @@ class Sim:
         self.errors: list[str] = []
         self.partitioned = False  # while True, every message sent is lost
         self.stale_reads: set[str] = set()  # READs that copied freed producer blocks
+        # Each engine runs one machine; the other half of its Node stays idle.
+        self.idle_producer = Producer(self.config, num_layers=layers)
+        self.idle_consumer = Consumer(self.config, self.producer_hello.layout.digest())
+        self.producer_interpreter = self._interpreter(_ProducerPorts(self))
+        for side in self.consumers.values():
+            side.interpreter = self._interpreter(_ConsumerPorts(self, side))
 
     @property
     def c(self) -> ConsumerSide:
@@ -288,63 +418,21 @@ class Sim:
                 problems.append(f"{side.name} machine still waits on {side.machine.waiting()}")
         assert not problems, "\n".join(problems)
 
-    # -- action dispatch ----------------------------------------------------------------
+    # -- action dispatch: the Node's own interpreter, with the simulation as its world ----
 
     def _run_producer(self, actions: list[act.Action]) -> None:
-        for action in actions:
-            if isinstance(action, act.Send):
-                self.network.append((action.peer, "producer", action.message))
-            elif isinstance(action, act.PostWrite):
-                if action.transfer_id in self.writes:
-                    self.errors.append(f"two WRITEs in flight for {action.transfer_id}")
-                self.writes[action.transfer_id] = (action.peer, action)
-                self.posted_at[action.transfer_id] = self.now
-            elif isinstance(action, act.ReleaseBlocks):
-                if action.transfer_id in self.writes:
-                    self.errors.append(f"{action.transfer_id} released during its WRITE")
-                if action.transfer_id in self.released:
-                    self.errors.append(f"{action.transfer_id} released twice by the producer")
-                self.released[action.transfer_id] = action.outcome
-                self.p_ledger.release(action.transfer_id)
-            elif isinstance(action, act.Counted):
-                self.counted.append(action)
-            elif isinstance(action, act.ExposeBlocks):
-                if not self.p_ledger.holds(action.transfer_id, action.block_ids):
-                    self.errors.append(f"{action.transfer_id} exposed blocks it does not hold")
-            else:
-                self.errors.append(f"producer emitted unexpected {action!r}")
+        self.producer_interpreter.run(actions)
 
     def _run_consumer(self, side: ConsumerSide, actions: list[act.Action]) -> None:
-        for action in actions:
-            if isinstance(action, act.Send):
-                self.network.append(("producer", side.name, action.message))
-            elif isinstance(action, act.Connect):
-                self._handshake(side)
-            elif isinstance(action, act.PostRead):
-                side.reads[action.transfer_id] = action
-            elif isinstance(action, act.Delivered):
-                tid = action.transfer_id
-                self._end(side, tid)
-                wrong = [
-                    (b, layer)
-                    for b in side.expected[tid]
-                    for layer in range(self.layers)
-                    if side.memory.get((b, layer)) != tid
-                ]
-                if wrong:
-                    self.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
-                if tid in self.stale_reads:
-                    self.errors.append(f"{tid} delivered bytes read from freed producer blocks")
-                side.delivered.append(tid)
-                side.ledger.release(tid)  # the request ran and finished with its blocks
-            elif isinstance(action, act.TransferFailed):
-                self._end(side, action.transfer_id)
-                side.failed[action.transfer_id] = action.reason
-                side.ledger.release(action.transfer_id)
-            elif isinstance(action, act.Counted):
-                self.counted.append(action)
-            else:
-                self.errors.append(f"consumer emitted unexpected {action!r}")
+        assert side.interpreter is not None
+        side.interpreter.run(actions)
+
+    def _interpreter(self, ports: _ProducerPorts | _ConsumerPorts) -> Interpreter:
+        machines = (self.producer, self.idle_consumer)
+        if isinstance(ports, _ConsumerPorts):
+            machines = (self.idle_producer, ports.side.machine)
+        return Interpreter(*machines, ports, ports, ports.publish, _Recorder(self.counted),
+                           clock=lambda: self.now, wall=lambda: 1.0)  # fmt: skip
 
     def _end(self, side: ConsumerSide, tid: str) -> None:
         if tid in side.delivered or tid in side.failed:
