@@ -149,10 +149,6 @@ class NixlAgent:
 
     # -- ownership -------------------------------------------------------------------
 
-    def adopt(self) -> None:
-        """Make the calling thread the owner (hand-over from the creating thread)."""
-        self._owner = threading.get_ident()
-
     def _check(self, op: str) -> None:
         if self._closed:
             raise TransportError(op, "the agent is closed")
@@ -306,13 +302,6 @@ class NixlAgent:
 
     # -- notifications ---------------------------------------------------------------
 
-    def send_notif(self, peer: str, message: bytes) -> None:
-        self._check("send_notif")
-        try:
-            self._agent.send_notif(peer, message)
-        except Exception as exc:
-            raise _fail("send_notif", exc, peer) from exc
-
     def notifs(self) -> list[tuple[str, bytes]]:
         """Notifications that arrived since the last call, as (peer, message)."""
         self._check("get_new_notifs")
@@ -384,7 +373,6 @@ def _checked_ids(side: str, ids: np.ndarray | Sequence[int], rows: int) -> np.nd
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
         raise RegionError(f"{side} descriptor ids must be a non-empty flat list of integers")
-        raise RegionError(f"{side} descriptor ids must be a non-empty flat list")
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= rows:
         raise RegionError(

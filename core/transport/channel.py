@@ -41,7 +41,6 @@ class Connection:
         self.on_close = on_close
         self.label = label or _peer_label(sock)
         self.closed = False
-        self.frames_in = self.frames_out = 0
         self._inbuf = bytearray()
         self._outbuf = bytearray()
         sock.setblocking(False)
@@ -52,7 +51,6 @@ class Connection:
         if self.closed:
             raise ProtocolError(f"connection to {self.label} is closed")
         self._outbuf += HEADER.pack(len(frame)) + frame
-        self.frames_out += 1
         self._flush()
 
     def close(self, reason: str = "closed locally") -> None:
@@ -100,7 +98,6 @@ class Connection:
                 break
             frame = bytes(self._inbuf[HEADER.size : HEADER.size + size])
             del self._inbuf[: HEADER.size + size]
-            self.frames_in += 1
             self.on_frame(self, frame)
             if self.closed:
                 return

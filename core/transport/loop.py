@@ -70,7 +70,6 @@ class Loop:
         self._pollers: list[Poller] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.wakeups = 0
 
     # -- life cycle ------------------------------------------------------------------
 
@@ -225,7 +224,6 @@ class Loop:
             timeout = 0.0
         events = self._selector.select(timeout)
         for key, mask in events:
-            self.wakeups += 1
             reader, writer = key.data
             if mask & selectors.EVENT_READ and reader is not None:
                 self._guard(reader)

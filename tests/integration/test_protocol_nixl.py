@@ -39,6 +39,23 @@ def _one(peer, seconds=15.0):
     return outcomes[0]
 
 
+def _until(condition, what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen in {seconds} s"
+        time.sleep(0.02)
+
+
+def _registered(producer, count: int = 1) -> None:
+    """Wait until `count` registrations have reached the producer."""
+    _until(lambda: producer.call("registered")["count"] >= count, "registration")
+
+
+def _unlinked(peer) -> None:
+    """Wait until the peer has seen its side-channel links close."""
+    _until(lambda: peer.call("stats")["links"] == [], "the link closing")
+
+
 def _quiet(peer):
     stats = peer.call("stats")
     assert stats["producer_holding"] == [] and stats["consumer_waiting"] == [], stats
@@ -58,7 +75,7 @@ def test_push_moves_the_bytes_into_the_registered_blocks(spawn, order):
         producer.call("kv_ready", tid="t1", blocks=[0, 1, 2], value=0x42)
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[3, 5, 7])
     if order == "registration_first":
-        time.sleep(0.3)
+        _registered(producer)
         producer.call("kv_ready", tid="t1", blocks=[0, 1, 2], value=0x42)
     assert _one(consumer)["kind"] == "delivered"
     released = _one(producer)
@@ -74,10 +91,10 @@ def test_layers_cross_as_they_are_computed(spawn):
     producer = spawn("producer", "prefill", layers=4)
     consumer = spawn("consumer", "decode", layers=4)
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[8, 9])
-    time.sleep(0.3)
+    _registered(producer)
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x51, layers=[0])
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x51, layers=[1, 2])
-    time.sleep(0.3)
+    _until(lambda: _values(consumer)[2][8] == [0x51], "the third layer landing")
     # Three layers have crossed already; the transfer is not complete without the last.
     assert consumer.call("results", count=1, seconds=0.3)["outcomes"] == []
     partial = _values(consumer)
@@ -99,10 +116,7 @@ def test_a_batch_ready_together_goes_in_one_nixl_write_and_each_lands(spawn):
     batch = {"t1": ([0, 1], [9, 4], 0x11), "t2": ([2], [7], 0x22), "t3": ([3, 5], [1, 2], 0x33)}
     for tid, (_, destinations, _) in batch.items():
         consumer.call("expect", tid=tid, producer=producer.address, blocks=destinations)
-    deadline = time.monotonic() + 10
-    while producer.call("registered")["count"] < len(batch):
-        assert time.monotonic() < deadline, "registrations did not reach the producer"
-        time.sleep(0.02)
+    _registered(producer, len(batch))
     items = [[tid, sources, value] for tid, (sources, _, value) in batch.items()]
     producer.call("kv_ready_batch", items=items)
     delivered = consumer.call("results", count=3, seconds=15, timeout=45)["outcomes"]
@@ -125,7 +139,7 @@ def test_write_that_fails_to_post_fails_the_consumer_at_once(spawn):
     producer = spawn("producer", "prefill")
     consumer = spawn("consumer", "decode")
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
-    time.sleep(0.3)
+    _registered(producer)
     producer.call("forget_peers")
     started = time.monotonic()
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x42)
@@ -141,7 +155,7 @@ def test_producer_death_fails_the_consumer_after_the_write_grace(spawn):
     producer = spawn("producer", "prefill")
     consumer = spawn("consumer", "decode")
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
-    time.sleep(0.3)
+    _registered(producer)
     producer.kill()
     started = time.monotonic()
     failed = _one(consumer)
@@ -155,9 +169,9 @@ def test_consumer_death_releases_the_producer_blocks(spawn):
     consumer = spawn("consumer", "decode")
     producer.call("kv_pending", tid="t1")
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
-    time.sleep(0.3)
+    _registered(producer)
     consumer.kill()
-    time.sleep(0.3)
+    _unlinked(producer)
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x42)
     released = _one(producer)
     assert (released["kind"], released["reason"]) == ("released", "peer_lost")
@@ -168,7 +182,7 @@ def test_consumer_abort_mid_transfer_holds_blocks_until_settled(spawn):
     producer = spawn("producer", "prefill", device="gated")
     consumer = spawn("consumer", "decode")
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[2, 4])
-    time.sleep(0.3)
+    _registered(producer)
     producer.call("hold_fence")
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x77)  # stuck at the fence
     time.sleep(0.2)

@@ -23,12 +23,16 @@ class CountingPoller:
     def __init__(self, pending_rounds: int = 0) -> None:
         self.polls = 0
         self.pending_rounds = pending_rounds
+        self.target = 0  # reached is set once polls gets here
+        self.reached = threading.Event()
 
     def pending(self) -> bool:
         return self.polls < self.pending_rounds
 
     def poll(self) -> bool:
         self.polls += 1
+        if self.polls >= self.target:
+            self.reached.set()
         return False
 
 
@@ -40,19 +44,21 @@ def test_call_runs_on_the_loop_thread_and_returns(loop):
 
 def test_idle_loop_polls_only_on_its_slow_tick(loop):
     poller = CountingPoller()
+    poller.target = 4
+    start = time.monotonic()
     loop.call(loop.add_poller, poller)
-    time.sleep(0.5)
-    # idle_tick is 50 ms: about 10 polls in 0.5 s. A spinning loop does thousands.
-    assert 3 <= poller.polls <= 20
+    assert poller.reached.wait(5)
+    # idle_tick is 50 ms: four polls take at least three ticks. A spinning loop takes
+    # microseconds.
+    assert time.monotonic() - start >= 0.12
 
 
 def test_pending_poller_is_polled_fast_until_done(loop):
     poller = CountingPoller(pending_rounds=200)
+    poller.target = 200
     start = time.monotonic()
     loop.call(loop.add_poller, poller)
-    while poller.polls < 200 and time.monotonic() - start < 5:
-        time.sleep(0.01)
-    assert poller.polls >= 200
+    assert poller.reached.wait(5)
     # Backing off to 1 ms caps 200 polls at well under a second; the idle tick would take 10 s.
     assert time.monotonic() - start < 2.0
 
