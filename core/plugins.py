@@ -14,8 +14,7 @@ from typing import Any
 
 import pluggy
 
-from kvpush import hookspecs
-from kvpush.device import BackendInfo, DeviceKV, Probe
+from kvpush.backend import BackendInfo, DeviceKV, Probe, hookspecs
 from kvpush.errors import BackendError, BackendNotImplemented, ConfigError
 
 ENTRY_POINT_GROUP = "kvpush.backends"

@@ -19,14 +19,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
-from kvpush.errors import ConfigError
-from kvpush.hookspecs import hookimpl
-from kvpush.host_backend import torch_view
-from kvpush.layout import layout_from_views
+from kvpush.backend import (
+    BackendInfo,
+    DeviceKV,
+    Probe,
+    claimed_device,
+    hookimpl,
+    layout_from_views,
+    torch_view,
+)
 
 # Staging copies and release, shared with every staging backend.
-from kvpush.staged import kvpush_release, kvpush_stage_blocks  # noqa: F401
+from kvpush.backend.staging import kvpush_release, kvpush_stage_blocks  # noqa: F401
+from kvpush.errors import ConfigError
 from kvpush_cuda.runtime import get_runtime
 from kvpush_cuda.staging import HostStaging
 

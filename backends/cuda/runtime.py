@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpush.device import Swappable
+from kvpush.backend import Swappable
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.host_backend import torch_view
-from kvpush.layout import KVLayout, layout_from_views
+from kvpush.backend import layout_from_views, torch_view
+from kvpush.layout import KVLayout
 from kvpush_cuda.runtime import CudaRuntime
 
 log = logging.getLogger(__name__)

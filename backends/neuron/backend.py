@@ -29,14 +29,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
-from kvpush.errors import BackendError, ConfigError
-from kvpush.hookspecs import hookimpl
-from kvpush.host_backend import torch_view
-from kvpush.layout import TensorView, layout_from_views
+from kvpush.backend import (
+    BackendInfo,
+    DeviceKV,
+    Probe,
+    TensorView,
+    claimed_device,
+    hookimpl,
+    layout_from_views,
+    torch_view,
+)
 
 # Staging copies and release, shared with every staging backend.
-from kvpush.staged import kvpush_release, kvpush_stage_blocks  # noqa: F401
+from kvpush.backend.staging import kvpush_release, kvpush_stage_blocks  # noqa: F401
+from kvpush.errors import BackendError, ConfigError
 from kvpush_neuron import environment
 from kvpush_neuron.runtime import get_runtime
 from kvpush_neuron.staging import HostStaging

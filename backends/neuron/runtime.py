@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpush.device import Swappable
+from kvpush.backend import Swappable
 from kvpush.errors import BackendError
 
 #: Device types a Neuron tensor reports: TorchNeuron renames PrivateUse1 to "neuron";

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.device import DeviceKV
+from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError, ProtocolError, TransportError
 from kvpush.layout import BlockTable, pairing_split
 from kvpush.metrics import Metrics

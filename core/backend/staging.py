@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpush.device import DeviceKV
+from kvpush.backend.hookspecs import hookimpl
+from kvpush.backend.records import DeviceKV
 from kvpush.errors import BackendError
-from kvpush.hookspecs import hookimpl
 
 
 @hookimpl

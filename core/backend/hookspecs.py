@@ -11,7 +11,7 @@ from typing import Any
 
 import pluggy
 
-from kvpush.device import BackendInfo, DeviceKV, Probe
+from kvpush.backend.records import BackendInfo, DeviceKV, Probe
 
 PROJECT = "kvpush"
 hookspec = pluggy.HookspecMarker(PROJECT)
