@@ -103,7 +103,7 @@ def kvpush_describe_kv(
     )
     staged = state.staging.layout(dims, layout.tokens_per_block)
     log.info("kvpush cuda: KV on cuda:%d is staged through host memory (staging=host)", index)
-    return DeviceKV(NAME, f"cuda:{index}", staged, "staged", device_layout=layout, state=state)
+    return DeviceKV(NAME, f"cuda:{index}", staged, "staged", state=state)
 
 
 @hookimpl

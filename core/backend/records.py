@@ -45,5 +45,4 @@ class DeviceKV:
     device: str
     layout: KVLayout
     path: str = "direct"
-    device_layout: KVLayout | None = None
     state: Any = field(default=None, repr=False)

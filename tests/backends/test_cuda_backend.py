@@ -117,7 +117,6 @@ def test_staging_mirrors_blocks_in_pinned_page_aligned_host_memory(fake, backend
     tensors = _layers(fake)
     kv = backends.describe(tensors, GPU_DIMS, {"staging": "host"})
     assert kv.path == "staged"
-    assert kv.device_layout is not None and kv.device_layout.mem_type == "VRAM"
     assert {r.mem_type for r in kv.layout.regions} == {"DRAM"}
     assert all(r.addr % mmap.PAGESIZE == 0 for r in kv.layout.regions)
     assert sorted(fake.pinned) == sorted(r.addr for r in kv.layout.regions)
