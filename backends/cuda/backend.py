@@ -29,8 +29,8 @@ from kvpush.backend import (
     torch_view,
 )
 
-# Staging copies and release, shared with every staging backend.
-from kvpush.backend.staging import kvpush_release, kvpush_stage_blocks  # noqa: F401
+# The staging hooks every staging backend shares: imported here, pluggy registers them as ours.
+from kvpush.backend.staging import host_layout, kvpush_release, kvpush_stage_blocks  # noqa: F401
 from kvpush.errors import ConfigError
 from kvpush_cuda.runtime import get_runtime
 from kvpush_cuda.staging import HostStaging
@@ -101,7 +101,7 @@ def kvpush_describe_kv(
     state.staging = HostStaging(
         tensors, dims, runtime, index, pin=bool(config.get("pin_staging", True))
     )
-    staged = state.staging.layout(dims, layout.tokens_per_block)
+    staged = host_layout(state.staging.host, dims, layout.tokens_per_block)
     log.info("kvpush cuda: KV on cuda:%d is staged through host memory (staging=host)", index)
     return DeviceKV(NAME, f"cuda:{index}", staged, "staged", state=state)
 

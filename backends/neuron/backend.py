@@ -40,8 +40,8 @@ from kvpush.backend import (
     torch_view,
 )
 
-# Staging copies and release, shared with every staging backend.
-from kvpush.backend.staging import kvpush_release, kvpush_stage_blocks  # noqa: F401
+# The staging hooks every staging backend shares: imported here, pluggy registers them as ours.
+from kvpush.backend.staging import host_layout, kvpush_release, kvpush_stage_blocks  # noqa: F401
 from kvpush.errors import BackendError, ConfigError
 from kvpush_neuron import environment
 from kvpush_neuron.runtime import get_runtime
@@ -176,7 +176,7 @@ def kvpush_describe_kv(
             )
         log.warning("kvpush neuron: staging KV on %s through host memory: %s", device, why)
     state.staging = HostStaging(tensors, dims, runtime)
-    staged = state.staging.layout(dims, tokens)
+    staged = host_layout(state.staging.host, dims, tokens)
     return DeviceKV(NAME, device, staged, "staged", state=state)
 
 
