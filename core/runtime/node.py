@@ -216,6 +216,8 @@ class Node:
                 self.loop.call(self._close_on_loop, timeout=10)
             finally:
                 self.loop.stop()
+        # NIXL has let go of the memory and no copy can start: free staging buffers.
+        self.backends.release(self.kv)
 
     def _close_on_loop(self) -> None:
         self.loop.remove_poller(self)

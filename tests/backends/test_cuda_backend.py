@@ -10,6 +10,7 @@ import torch
 
 from kvpush.errors import BackendError, ConfigError
 from kvpush.plugins import Backends
+from kvpush.runtime.node import Node, NodeConfig
 
 GPU_DIMS = ("blocks", "kv", "heads", "tokens", "dim")
 NB, H, T, D = 6, 2, 4, 8
@@ -187,3 +188,12 @@ def test_a_bad_staging_option_fails_before_any_allocation(backends):
         backends.prepare_process("cuda", 0, {"staging": "yes"})
     backends.prepare_process("cuda", 0, {"staging": "host"})
     backends.prepare_process("neuron-or-other", 0, {"staging": "yes"})  # not the CUDA backend's
+
+
+@pytest.mark.nixl
+def test_closing_the_node_unpins_the_staging_buffers(fake, backends):
+    kv = backends.describe(_layers(fake), GPU_DIMS, {"staging": "host"})
+    assert fake.pinned
+    node = Node(NodeConfig("prefill", secret=b"s"), kv, backends).start()
+    node.close()
+    assert fake.pinned == {}
