@@ -194,7 +194,7 @@ def kvpush_nixl_backends(kv: DeviceKV, requested: Sequence[str]) -> list[str]:
             "Backends.init_runtime('neuron') before starting the kvpush Node"
         )
     if kv.layout.mem_type != "VRAM":
-        return list(requested) or ["UCX"]  # a fake device's loopback memory (see fake.py)
+        return list(requested) or ["UCX"]  # a fake device's loopback memory (see testing.py)
     wanted = list(requested) or ["LIBFABRIC"]
     chosen = [name for name in wanted if name != "UCX"]
     if not chosen:

@@ -5,7 +5,7 @@ Each side is a kvpush Node on a fake device in its engine's real KV layout: Neur
 The core must map one onto the other at K/V granularity; every byte of every moved
 block is checked against the pattern the sender's model wrote, and untouched blocks
 must still be zero. (NIXL here is UCX over loopback, the fake HBM registered as DRAM:
-see kvpush_neuron/fake.py for what that leaves to the unit tests.)
+see kvpush_neuron.testing for what that leaves to the unit tests.)
 """
 
 from __future__ import annotations

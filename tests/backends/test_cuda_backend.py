@@ -1,4 +1,4 @@
-"""The CUDA backend's logic, run on CPU tensors posing as GPU memory (kvpush_cuda.fake)."""
+"""The CUDA backend's logic, run on CPU tensors posing as GPU memory (kvpush_cuda.testing)."""
 
 from __future__ import annotations
 
