@@ -12,8 +12,8 @@ from kvpush.layout import KVLayout
 class BackendInfo:
     """What a backend serves. `missing` lists hooks it does not implement yet.
 
-    `device_types` are vLLM platform device types (`current_platform.device_type`), the
-    values `kvpush_prepare_process` and `kvpush_init_runtime` are called with.
+    `device_types` are the device types it acts on when `kvpush_prepare_process` and
+    `kvpush_init_runtime` pass vLLM's platform device type (`current_platform.device_type`).
     """
 
     name: str
