@@ -11,10 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
+from kvpush.backend import (
+    BackendInfo,
+    DeviceKV,
+    Probe,
+    TensorView,
+    claimed_device,
+    hookimpl,
+    layout_from_views,
+    torch_view,
+)
 from kvpush.errors import RegionError
-from kvpush.hookspecs import hookimpl
-from kvpush.layout import TensorView, layout_from_views
 
 NAME = "host"
 
@@ -39,19 +46,6 @@ def host_view(obj: Any) -> TensorView | None:
     if is_torch_tensor(obj) and obj.device.type == "cpu":
         return torch_view(obj, device_id=0, mem_type="DRAM")
     return None
-
-
-def torch_view(tensor: Any, device_id: int, mem_type: str) -> TensorView:
-    """A TensorView of any torch tensor; shared by every backend that serves torch."""
-    return TensorView(
-        addr=tensor.data_ptr(),
-        shape=tuple(tensor.shape),
-        strides=tuple(tensor.stride()),
-        itemsize=tensor.element_size(),
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        device_id=device_id,
-        mem_type=mem_type,
-    )
 
 
 @hookimpl

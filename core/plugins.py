@@ -1,7 +1,10 @@
 """The backend plugin manager.
 
 Every backend, built-in or not, is found through the entry-point group
-`kvpush.backends`; KVPUSH_BACKENDS="host,cuda" restricts which load.
+`kvpush.backends`; KVPUSH_BACKENDS="host,cuda" restricts which load. Set-up hooks reach
+every backend, kvpush_describe_kv the first that claims the tensors, and every hook
+taking a DeviceKV only the backend that returned it (kvpush.backend.hookspecs says
+who is asked first, and on which thread each hook runs).
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ from typing import Any
 
 import pluggy
 
-from kvpush import hookspecs
-from kvpush.device import BackendInfo, DeviceKV, Probe
+from kvpush.backend import BackendInfo, DeviceKV, Probe, hookspecs
 from kvpush.errors import BackendError, BackendNotImplemented, ConfigError
 
 ENTRY_POINT_GROUP = "kvpush.backends"
@@ -71,9 +73,13 @@ class Backends:
                 f"no backends in entry-point group {ENTRY_POINT_GROUP!r}: is kvpush installed "
                 "(pip install kvpush, or pip install -e . from a checkout)?"
             )
-        for name, entry_point in sorted(found.items()):
-            if wanted is None or name in wanted:
-                self._load(name, entry_point)
+        chosen = [ep for name, ep in sorted(found.items()) if wanted is None or name in wanted]
+        builtin = [ep for ep in chosen if _source_of(ep) == "built-in"]
+        third_party = [ep for ep in chosen if _source_of(ep) != "built-in"]
+        # pluggy asks the plugin registered last first. Registering in reverse asks third
+        # parties before the built-ins, each group by name (see kvpush.backend.hookspecs).
+        for entry_point in reversed(third_party + builtin):
+            self._load(entry_point.name, entry_point)
 
     def _load(self, name: str, entry_point: metadata.EntryPoint) -> None:
         source = _source_of(entry_point)
@@ -111,10 +117,14 @@ class Backends:
 
     @property
     def names(self) -> list[str]:
-        return list(self._loaded)
+        return [backend.name for backend in self.loaded()]
 
     def loaded(self) -> list[LoadedBackend]:
-        return list(self._loaded.values())
+        """Loaded backends in the order kvpush_describe_kv asks them (any without it last)."""
+        impls = self._pm.hook.kvpush_describe_kv.get_hookimpls()
+        asked = [impl.plugin_name for impl in reversed(impls)]
+        rest = [name for name in self._loaded if name not in asked]
+        return [self._loaded[name] for name in asked + rest]
 
     def get(self, name: str) -> LoadedBackend:
         try:
@@ -135,7 +145,7 @@ class Backends:
     def init_runtime(self, device_type: str) -> None:
         self._pm.hook.kvpush_init_runtime(device_type=device_type)
 
-    # -- KV description: the first backend that recognises the tensors ------------
+    # -- KV description: the first backend asked that recognises the tensors --------
 
     def describe(
         self,
@@ -200,7 +210,9 @@ class Backends:
             others = [p for n, p in self._pm.list_name_plugin() if n != kv.backend]
             caller = self._pm.subset_hook_caller(hook, remove_plugins=others)
             self._routed[(kv.backend, hook)] = caller
-        return caller(kv=kv, **kwargs)
+        # One plugin answers; pluggy leaves a None answer out of the list.
+        answers = caller(kv=kv, **kwargs)
+        return answers[0] if answers else None
 
 
 def _device_of(tensor: Any) -> str:

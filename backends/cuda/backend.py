@@ -19,14 +19,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
-from kvpush.errors import ConfigError
-from kvpush.hookspecs import hookimpl
-from kvpush.host_backend import torch_view
-from kvpush.layout import layout_from_views
+from kvpush.backend import (
+    BackendInfo,
+    DeviceKV,
+    Probe,
+    claimed_device,
+    hookimpl,
+    layout_from_views,
+    torch_view,
+)
 
-# Staging copies and release, shared with every staging backend.
-from kvpush.staged import kvpush_release, kvpush_stage_blocks  # noqa: F401
+# The staging hooks every staging backend shares: imported here, pluggy registers them as ours.
+from kvpush.backend.staging import host_layout, kvpush_release, kvpush_stage_blocks  # noqa: F401
+from kvpush.errors import ConfigError
 from kvpush_cuda.runtime import get_runtime
 from kvpush_cuda.staging import HostStaging
 
@@ -96,9 +101,9 @@ def kvpush_describe_kv(
     state.staging = HostStaging(
         tensors, dims, runtime, index, pin=bool(config.get("pin_staging", True))
     )
-    staged = state.staging.layout(dims, layout.tokens_per_block)
+    staged = host_layout(state.staging.host, dims, layout.tokens_per_block)
     log.info("kvpush cuda: KV on cuda:%d is staged through host memory (staging=host)", index)
-    return DeviceKV(NAME, f"cuda:{index}", staged, "staged", device_layout=layout, state=state)
+    return DeviceKV(NAME, f"cuda:{index}", staged, "staged", state=state)
 
 
 @hookimpl

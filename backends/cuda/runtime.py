@@ -1,7 +1,7 @@
 """The CUDA runtime seam: everything kvpush_cuda asks of torch.cuda, behind one object.
 
 The backend's logic (regions, fences, staging, thread binding) calls only this, so a
-test can swap in kvpush_cuda.fake.FakeCuda and run the same logic on CPU tensors that
+test can swap in kvpush_cuda.testing.FakeCuda and run the same logic on CPU tensors that
 pose as device memory. The real object imports torch on first use: `import
 kvpush_cuda` (and `kvpush backends`) must work without torch and start no CUDA context.
 """
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpush.device import Swappable
+from kvpush.backend import Swappable
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 class CudaRuntime(Protocol):
     """What the backend needs from CUDA; TorchCuda is the real one, FakeCuda the test one."""
 
-    #: NIXL memory type of device memory: "VRAM" (a fake may say "DRAM", see fake.py).
+    #: NIXL memory type of device memory: "VRAM" (a fake may say "DRAM", see testing.py).
     mem_type: str
 
     def device_index(self, tensor: Any) -> int | None:

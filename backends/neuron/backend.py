@@ -29,14 +29,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.device import BackendInfo, DeviceKV, Probe, claimed_device
-from kvpush.errors import BackendError, ConfigError
-from kvpush.hookspecs import hookimpl
-from kvpush.host_backend import torch_view
-from kvpush.layout import TensorView, layout_from_views
+from kvpush.backend import (
+    BackendInfo,
+    DeviceKV,
+    Probe,
+    TensorView,
+    claimed_device,
+    hookimpl,
+    layout_from_views,
+    torch_view,
+)
 
-# Staging copies and release, shared with every staging backend.
-from kvpush.staged import kvpush_release, kvpush_stage_blocks  # noqa: F401
+# The staging hooks every staging backend shares: imported here, pluggy registers them as ours.
+from kvpush.backend.staging import host_layout, kvpush_release, kvpush_stage_blocks  # noqa: F401
+from kvpush.errors import BackendError, ConfigError
 from kvpush_neuron import environment
 from kvpush_neuron.runtime import get_runtime
 from kvpush_neuron.staging import HostStaging
@@ -170,7 +176,7 @@ def kvpush_describe_kv(
             )
         log.warning("kvpush neuron: staging KV on %s through host memory: %s", device, why)
     state.staging = HostStaging(tensors, dims, runtime)
-    staged = state.staging.layout(dims, tokens)
+    staged = host_layout(state.staging.host, dims, tokens)
     return DeviceKV(NAME, device, staged, "staged", state=state)
 
 
@@ -188,7 +194,7 @@ def kvpush_nixl_backends(kv: DeviceKV, requested: Sequence[str]) -> list[str]:
             "Backends.init_runtime('neuron') before starting the kvpush Node"
         )
     if kv.layout.mem_type != "VRAM":
-        return list(requested) or ["UCX"]  # a fake device's loopback memory (see fake.py)
+        return list(requested) or ["UCX"]  # a fake device's loopback memory (see testing.py)
     wanted = list(requested) or ["LIBFABRIC"]
     chosen = [name for name in wanted if name != "UCX"]
     if not chosen:

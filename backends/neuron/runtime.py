@@ -1,6 +1,6 @@
 """The Neuron runtime seam: everything kvpush_neuron asks of TorchNeuron / torch-xla.
 
-The backend's logic calls only this object, so tests swap in kvpush_neuron.fake.FakeNeuron
+The backend's logic calls only this object, so tests swap in kvpush_neuron.testing.FakeNeuron
 and run the real logic without Trainium. The real object imports torch and torch-neuronx
 (or torch-xla on the older stack) on first use: they are not on the public package index
 (the names there are empty placeholders) and must come from AWS's Neuron repository.
@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpush.device import Swappable
+from kvpush.backend import Swappable
 from kvpush.errors import BackendError
 
 #: Device types a Neuron tensor reports: TorchNeuron renames PrivateUse1 to "neuron";
@@ -31,7 +31,7 @@ INSTALL_HINT = (
 class NeuronRuntime(Protocol):
     """What the backend needs from Neuron; TorchNeuron is the real one, FakeNeuron the test one."""
 
-    #: NIXL memory type of device memory: "VRAM" (a fake may say "DRAM", see fake.py).
+    #: NIXL memory type of device memory: "VRAM" (a fake may say "DRAM", see testing.py).
     mem_type: str
 
     def device_index(self, tensor: Any) -> int | None:

@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.host_backend import torch_view
-from kvpush.layout import KVLayout, layout_from_views
 from kvpush_neuron.runtime import NeuronRuntime
 
 
@@ -47,10 +45,6 @@ class HostStaging:
                 mirrors[id(tensor)] = _host_buffer(tuple(tensor.shape), tensor.dtype)
                 self._pairs.append((tensor, mirrors[id(tensor)]))
             self.host[name] = mirrors[id(tensor)]
-
-    def layout(self, dims: Sequence[str], tokens_per_block: int) -> KVLayout:
-        views = {name: torch_view(host, 0, "DRAM") for name, host in self.host.items()}
-        return layout_from_views(views, tuple(dims), tokens_per_block)
 
     def copy(self, block_ids: Sequence[int], direction: str) -> None:
         """Copy `block_ids` of every layer: "to_host" before a send, "to_device" after one."""

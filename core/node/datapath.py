@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvpush.device import DeviceKV
+from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError, TransportError
 from kvpush.layout import BlockTable, KVLayout, pairing_split
 from kvpush.node.interpreter import Counter, Settled

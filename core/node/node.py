@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.device import DeviceKV
+from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError
 from kvpush.metrics import Metrics
 from kvpush.node.datapath import DataPath
@@ -111,6 +111,18 @@ class Node:
         return self
 
     def _init_on_loop(self) -> None:
+        try:
+            self._make_parts()
+        except BaseException:
+            # The caller gets the error and never a Node to close: undo what was made.
+            if self.listener is not None:
+                self.listener.close()
+            if self.agent is not None:
+                self.agent.close()
+            self.backends.release(self.kv)
+            raise
+
+    def _make_parts(self) -> None:
         config = self.config
         self.backends.bind_thread(self.kv)
         nixl_backends = self.backends.nixl_backends(self.kv, config.nixl_backends)
@@ -158,7 +170,8 @@ class Node:
         return f"{self.listener.host}:{self.listener.port}"
 
     def close(self) -> None:
-        """Close connections (peers see it at once), release NIXL, stop the loop."""
+        """Close connections (peers see it at once), release NIXL, stop the loop, then
+        let the backend free what it holds for the KV (pinned staging buffers)."""
         if self._closed:
             return
         self._closed = True
@@ -167,6 +180,8 @@ class Node:
                 self.loop.call(self._close_on_loop, timeout=10)
             finally:
                 self.loop.stop()
+        # NIXL has let go of the memory and no copy can start: free staging buffers.
+        self.backends.release(self.kv)
 
     def _close_on_loop(self) -> None:
         self.loop.remove_poller(self)

@@ -15,7 +15,7 @@ import socket
 import struct
 from collections.abc import Callable
 
-from kvpush.errors import ProtocolError
+from kvpush.errors import ConfigError, ProtocolError
 from kvpush.transport.loop import Loop
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,13 @@ class Listener:
     ) -> None:
         self.loop = loop
         self.on_accept = on_accept
-        self.sock = socket.create_server((host, port), reuse_port=False, backlog=64)
+        try:
+            self.sock = socket.create_server((host, port), reuse_port=False, backlog=64)
+        except OSError as exc:
+            raise ConfigError(
+                f"the kvpush side channel cannot listen on {host}:{port}: {exc.strerror} "
+                "(another process holds the port? set port to a free one, or 0)"
+            ) from exc
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
         loop.add_reader(self.sock, self._accept)

@@ -59,7 +59,7 @@ def no_neuron_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def fake_neuron(tmp_path: Path, no_neuron_env: None) -> Iterator[Any]:
     """factory(**FakeNeuron options) -> a fake Neuron installed as the backend's runtime."""
     from kvpush_neuron import runtime
-    from kvpush_neuron.fake import FakeNeuron
+    from kvpush_neuron.testing import FakeNeuron
 
     made = []
 
@@ -80,7 +80,7 @@ def fake_neuron(tmp_path: Path, no_neuron_env: None) -> Iterator[Any]:
 def fake_cuda() -> Iterator[Any]:
     """factory(**FakeCuda options) -> a fake CUDA installed as the backend's runtime."""
     from kvpush_cuda import runtime
-    from kvpush_cuda.fake import FakeCuda
+    from kvpush_cuda.testing import FakeCuda
 
     def make(**options: Any) -> FakeCuda:
         fake = FakeCuda(**options)

@@ -67,10 +67,10 @@ class FakeDeviceCache:
         self.fake: Any = None
         if kind.startswith("neuron"):
             from kvpush_neuron import runtime
-            from kvpush_neuron.fake import FakeNeuron
+            from kvpush_neuron.testing import FakeNeuron
 
             # The bytes must cross real NIXL here, where UCX refuses host memory posing as
-            # VRAM and LIBFABRIC cannot load: fake HBM is registered as DRAM (see fake.py).
+            # VRAM and LIBFABRIC cannot load: fake HBM is registered as DRAM (see testing.py).
             self.fake = FakeNeuron(legacy=kind == "neuron-legacy", mem_type="DRAM",
                                    lock_dir=lock_dir or None)  # fmt: skip
             runtime.set_runtime(self.fake)
@@ -83,7 +83,7 @@ class FakeDeviceCache:
             alloc = self.fake.zeros
         elif kind.startswith("cuda"):
             from kvpush_cuda import runtime
-            from kvpush_cuda.fake import FakeCuda
+            from kvpush_cuda.testing import FakeCuda
 
             self.fake = FakeCuda(device_count=2, mem_type="DRAM")
             runtime.set_runtime(self.fake)

@@ -5,7 +5,7 @@ Each side is a kvpush Node on a fake device in its engine's real KV layout: Neur
 The core must map one onto the other at K/V granularity; every byte of every moved
 block is checked against the pattern the sender's model wrote, and untouched blocks
 must still be zero. (NIXL here is UCX over loopback, the fake HBM registered as DRAM:
-see kvpush_neuron/fake.py for what that leaves to the unit tests.)
+see kvpush_neuron.testing for what that leaves to the unit tests.)
 """
 
 from __future__ import annotations
@@ -74,3 +74,20 @@ def test_trainium_prefill_gpu_decode_and_back(spawn, trn, gpu, paths):
     _push(other, neuron, "t2", [2, 4], [6, 4], seed=22)
     _check(neuron, {0: (11, 0), 1: (11, 1), 3: (11, 3), 6: (22, 2), 4: (22, 4)})
     assert neuron.call("pairings")["split"] == [True, True]
+
+
+def test_pull_stages_on_both_sides(spawn):
+    # The producer copies the blocks to its host buffers before it grants the READ;
+    # the consumer copies them to the device once they land.
+    neuron, gpu = spawn(
+        ("producer", "trn", {"device": "neuron-staged", "mode": "pull", **FAST}),
+        ("consumer", "gpu", {"device": "cuda-staged", "mode": "pull", **FAST}),
+    )
+    assert (neuron.hello["path"], gpu.hello["path"]) == ("staged", "staged")
+    neuron.call("kv_ready_pattern", tid="p1", blocks=[1, 3], seed=44)
+    gpu.call("expect", tid="p1", producer=neuron.address, blocks=[6, 0])
+    delivered = _one(gpu)
+    assert delivered["kind"] == "delivered", delivered
+    released = _one(neuron)
+    assert (released["kind"], released["reason"]) == ("released", "sent"), released
+    _check(gpu, {6: (44, 1), 0: (44, 3)})

@@ -1,14 +1,16 @@
-"""The CUDA backend's logic, run on CPU tensors posing as GPU memory (kvpush_cuda.fake)."""
+"""The CUDA backend's logic, run on CPU tensors posing as GPU memory (kvpush_cuda.testing)."""
 
 from __future__ import annotations
 
 import mmap
+import socket
 import threading
 
 import pytest
 import torch
 
-from kvpush.errors import BackendError, ConfigError
+from kvpush.errors import BackendError, ConfigError, KVPushError
+from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends
 
 GPU_DIMS = ("blocks", "kv", "heads", "tokens", "dim")
@@ -117,7 +119,6 @@ def test_staging_mirrors_blocks_in_pinned_page_aligned_host_memory(fake, backend
     tensors = _layers(fake)
     kv = backends.describe(tensors, GPU_DIMS, {"staging": "host"})
     assert kv.path == "staged"
-    assert kv.device_layout is not None and kv.device_layout.mem_type == "VRAM"
     assert {r.mem_type for r in kv.layout.regions} == {"DRAM"}
     assert all(r.addr % mmap.PAGESIZE == 0 for r in kv.layout.regions)
     assert sorted(fake.pinned) == sorted(r.addr for r in kv.layout.regions)
@@ -188,3 +189,25 @@ def test_a_bad_staging_option_fails_before_any_allocation(backends):
         backends.prepare_process("cuda", 0, {"staging": "yes"})
     backends.prepare_process("cuda", 0, {"staging": "host"})
     backends.prepare_process("neuron-or-other", 0, {"staging": "yes"})  # not the CUDA backend's
+
+
+@pytest.mark.nixl
+def test_closing_the_node_unpins_the_staging_buffers(fake, backends):
+    kv = backends.describe(_layers(fake), GPU_DIMS, {"staging": "host"})
+    assert fake.pinned
+    node = Node(NodeConfig("prefill", secret=b"s"), kv, backends).start()
+    node.close()
+    assert fake.pinned == {}
+
+
+@pytest.mark.nixl
+def test_a_node_that_fails_to_start_unpins_what_it_was_given(fake, backends):
+    kv = backends.describe(_layers(fake), GPU_DIMS, {"staging": "host"})
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(KVPushError, match=f"cannot listen on 127.0.0.1:{port}"):
+        Node(NodeConfig("prefill", role="producer", port=port, secret=b"s"), kv, backends).start()
+    taken.close()
+    assert fake.pinned == {}

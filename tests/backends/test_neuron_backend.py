@@ -80,8 +80,13 @@ def test_prepare_process_late_is_fine_when_the_launch_environment_was_right(
 ):
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
     monkeypatch.setenv("NEURON_RT_MAP_HBM", "true")
-    fake_neuron().zeros((4,))
-    backends.prepare_process("neuron", 0, {})
+    fake = fake_neuron()
+    fake.zeros((4,))
+    backends.prepare_process("neuron", 0, {})  # too late to change anything: must not try
+    # "true" maps HBM as "1" does: left as the launcher wrote it, not rewritten.
+    assert os.environ["NEURON_RT_MAP_HBM"] == "true"
+    assert os.environ["NEURON_RT_VISIBLE_CORES"] == "0"
+    assert backends.describe(_layers(fake), NEURON_KV_DIMS).path == "direct"
 
 
 def test_one_visible_core_per_process(fake_neuron, backends, monkeypatch, tmp_path):

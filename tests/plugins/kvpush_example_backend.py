@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.device import BackendInfo, DeviceKV, Probe
-from kvpush.hookspecs import hookimpl
-from kvpush.layout import TensorView, layout_from_views
+from kvpush.backend import BackendInfo, DeviceKV, Probe, TensorView, hookimpl, layout_from_views
 
 NAME = "example"
 

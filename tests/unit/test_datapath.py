@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.device import DeviceKV
+from kvpush.backend import DeviceKV
 from kvpush.errors import BackendError, TransportError
 from kvpush.layout import BlockRun, KVLayout
 from kvpush.metrics import Metrics

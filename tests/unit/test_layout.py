@@ -7,9 +7,10 @@ import ctypes
 import numpy as np
 import pytest
 
+from kvpush.backend import layout_from_views
 from kvpush.errors import RegionError
 from kvpush.host_backend import host_view
-from kvpush.layout import BlockTable, KVLayout, layout_from_views, pairing_split, units
+from kvpush.layout import BlockTable, KVLayout, pairing_split, units
 from kvpush.regions import MemRegion, merge_regions
 
 NB, H, T, D = 6, 2, 4, 8

@@ -14,16 +14,18 @@ from kvpush.plugins import Backends
 PLUGIN_DIR = Path(__file__).parents[1] / "plugins"
 
 
+def _install(where: Path, dist: str, version: str, entry_point: str, module: str) -> None:
+    """A distribution as pip leaves it: a dist-info with one `kvpush.backends` entry point."""
+    info = where / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[kvpush.backends]\n{entry_point} = {module}\n")
+
+
 @pytest.fixture
 def example_installed(tmp_path, monkeypatch):
-    """kvpush-example-backend installed the way pip installs it: a dist-info with an
-    entry point in the `kvpush.backends` group, on sys.path."""
-    dist = tmp_path / "kvpush_example_backend-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: kvpush-example-backend\nVersion: 0.1\n"
-    )
-    (dist / "entry_points.txt").write_text("[kvpush.backends]\nexample = kvpush_example_backend\n")
+    """kvpush-example-backend installed the way pip installs it, on sys.path."""
+    _install(tmp_path, "kvpush-example-backend", "0.1", "example", "kvpush_example_backend")
     monkeypatch.syspath_prepend(str(PLUGIN_DIR))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
@@ -84,10 +86,7 @@ def test_no_backend_for_a_device_names_the_device():
 
 
 def test_a_backend_that_fails_to_import_is_named(tmp_path, monkeypatch):
-    dist = tmp_path / "broken_backend-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-backend\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[kvpush.backends]\nbroken = no_such_module_here\n")
+    _install(tmp_path, "broken-backend", "1.0", "broken", "no_such_module_here")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(BackendError, match=r"'broken' .*broken-backend 1\.0.*failed to load"):
         Backends()
@@ -102,3 +101,43 @@ def test_routed_hook_missing_in_backend_is_not_silently_skipped(example_installe
     kv.path = "staged"  # a staged path needs kvpush_stage_blocks, which the example lacks
     with pytest.raises(BackendNotImplemented, match="kvpush_stage_blocks"):
         backends.stage(kv, [0], "to_host")
+
+
+# A third-party backend for ROCm-like tensors: they report device type "cuda", as ROCm
+# tensors do, but are host arrays underneath. Its name sorts before "cuda" on purpose.
+AMD_BACKEND = """
+from kvpush.backend import BackendInfo, DeviceKV, hookimpl, layout_from_views
+from kvpush.host_backend import host_view
+
+@hookimpl
+def kvpush_backend_info():
+    return BackendInfo("amd", ("cuda",), ("DRAM",), ("direct",))
+
+@hookimpl
+def kvpush_describe_kv(tensors, dims, config):
+    if not all(t.device.type == "cuda" for t in tensors.values()):
+        return None
+    views = {name: host_view(t.memory) for name, t in tensors.items()}
+    return DeviceKV("amd", "cuda:0", layout_from_views(views, dims), state=tensors)
+"""
+
+
+def test_a_third_party_backend_is_asked_before_a_built_in_claiming_the_same_device(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "kvpush_amd_backend.py").write_text(AMD_BACKEND)
+    _install(tmp_path, "kvpush-amd-backend", "0.1", "amd", "kvpush_amd_backend")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class RocmTensor:
+        device = type("Device", (), {"type": "cuda", "index": 0})()
+        memory = np.zeros((4, 2, 8), dtype=np.uint8)
+
+    try:
+        backends = Backends()
+        assert backends.names == ["amd", "cuda", "host", "neuron"]
+        # The built-in CUDA backend would claim these too, and fail on them.
+        kv = backends.describe({"l0": RocmTensor()}, ("blocks", "kv", "bytes"))
+        assert kv.backend == "amd"
+    finally:
+        sys.modules.pop("kvpush_amd_backend", None)

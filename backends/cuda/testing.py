@@ -12,8 +12,9 @@ real logic runs against it:
 - staging copies read what has landed, like a copy on a side stream;
 - pinning is recorded (or refused, to test the fallback).
 
-It lives in the backend package, beside the seam it fakes, so the seam and its fake
-change together and third parties can test their integrations against it.
+A testing aid, not part of the backend: nothing in kvpush_cuda imports it. It ships in
+the backend package, beside the seam it fakes, so the seam and its fake change together
+and third parties can test their integrations against it.
 
 NIXL's UCX refuses "VRAM" that is really host memory ("VRAM memory is detected as host
 by UCX"), so for transfers on a CPU box make it with mem_type="DRAM": the backend's

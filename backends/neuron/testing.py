@@ -26,8 +26,9 @@ UCX refuses "VRAM" that is host memory. So transfers on a CPU box use mem_type="
 the direct path then registers the fake HBM as DRAM over UCX. The backend's choice of
 NIXL backend for real VRAM is tested against nixl_register() instead.
 
-It lives in the backend package, beside the seam it fakes, so the two change together
-and a third party can test a Neuron integration without hardware.
+A testing aid, not part of the backend: nothing in kvpush_neuron imports it. It ships
+in the backend package, beside the seam it fakes, so the two change together and a
+third party can test a Neuron integration without hardware.
 """
 
 from __future__ import annotations
