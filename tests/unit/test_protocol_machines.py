@@ -12,9 +12,17 @@ import pytest
 from protocol_sim import PRODUCER, Sim
 
 from kvpush.errors import ConfigError, ProtocolError
+from kvpush.protocol import consumer as consumer_machine
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.protocol.consumer import TRANSITIONS, Consumer, State, transition_table
-from kvpush.protocol.messages import Cancel, CancelAck, Complete, Failed, Grant, Register
+from kvpush.protocol.consumer import TRANSITIONS, Consumer, State
+from kvpush.protocol.messages import (
+    Cancel,
+    CancelAck,
+    Complete,
+    Failed,
+    Grant,
+    Register,
+)
 
 
 def test_registration_first_then_kv():
@@ -651,11 +659,13 @@ def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim()
     ]
 
 
-def test_the_consumer_state_table_in_the_docs_is_the_codes():
+@pytest.mark.parametrize("machine", [consumer_machine])
+def test_the_state_tables_in_the_docs_are_the_codes(machine):
+    table = machine.TRANSITIONS
     doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
-    start = doc.index("<!-- consumer-transitions")
-    shown = doc[doc.index("\n", start) + 1 : doc.index("<!-- end consumer-transitions")]
-    assert shown.strip() == transition_table()
+    start = doc.index(f"<!-- {table.side}-transitions")
+    shown = doc[doc.index("\n", start) + 1 : doc.index(f"<!-- end {table.side}-transitions")]
+    assert shown.strip() == table.markdown(), f"paste {table.side}'s TRANSITIONS.markdown()"
 
 
 def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
@@ -663,7 +673,7 @@ def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
     consumer.announce("t1", PRODUCER, 0.0)
     assert State.LANDING not in TRANSITIONS[State.ANNOUNCED]
     with pytest.raises(ProtocolError, match="cannot go from announced to landing"):
-        consumer._move(consumer._transfers["t1"], State.LANDING)
+        TRANSITIONS.move(consumer._transfers["t1"], State.LANDING)
 
 
 def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
