@@ -38,7 +38,7 @@ from kvpush.protocol.messages import (
     decode_notif,
 )
 from kvpush.protocol.states import TransitionTable
-from kvpush.protocol.timers import Deadlines
+from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Ended transfers remembered so their late messages are not counted as strays.
 _ENDED_MEMORY = 4096
@@ -130,7 +130,8 @@ class Consumer:
         actions = self._ensure_session(peer)
         if self._ready(peer):
             actions.append(Send(peer, Heartbeat([transfer_id])))
-        return actions + self._arm_heartbeat(now)
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return actions
 
     def expect(
         self,
@@ -159,7 +160,8 @@ class Consumer:
         actions = self._ensure_session(peer)
         if self._ready(peer):
             actions += self._claim(transfer, now)
-        return actions + self._arm_heartbeat(now)
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return actions
 
     def abort(self, transfer_id: str, now: float) -> list[Action]:
         """The engine gave the request up. Its blocks come back only once it is safe."""
@@ -495,13 +497,8 @@ class Consumer:
                 if transfer.state == State.REGISTERED:
                     transfer.claimed_at = now
         if self._transfers:
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+            self._deadlines.set(HEARTBEAT, now + self.config.heartbeat_s)
         return [Send(peer, Heartbeat(tids)) for peer, tids in wanted.items()]
-
-    def _arm_heartbeat(self, now: float) -> list[Action]:
-        if ("heartbeat", "") not in self._deadlines:
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
-        return []
 
     def _deliver(self, transfer: _Transfer) -> list[Action]:
         complete = transfer.complete

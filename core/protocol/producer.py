@@ -43,7 +43,7 @@ from kvpush.protocol.messages import (
     Release,
     encode_notif,
 )
-from kvpush.protocol.timers import Deadlines
+from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Final-report memory: far more transfers than can end between two reports of one.
 _FINAL_MEMORY = 65536
@@ -120,7 +120,8 @@ class Producer:
             self._deadlines.set(("reg", transfer_id), now + self.config.registration_ttl_s)
         if transfer is not None:
             transfer.in_engine = True
-        return self._arm_heartbeat(now)
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return []
 
     def kv_ready(
         self,
@@ -259,7 +260,8 @@ class Producer:
         transfer.dst_blocks = list(destinations)
         transfer.skip_blocks = message.skip_blocks
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
-        self._arm_heartbeat(now)  # the consumer hears from us while prefill computes
+        # The consumer hears from us while prefill computes.
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         if transfer.kv_blocks is not None:
             return self._write_more(transfer, now)
         return []
@@ -457,11 +459,6 @@ class Producer:
     def next_deadline(self) -> float | None:
         return self._deadlines.next_deadline()
 
-    def _arm_heartbeat(self, now: float) -> list[Action]:
-        if ("heartbeat", "") not in self._deadlines:
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
-        return []
-
     def _heartbeats(self, now: float) -> list[Action]:
         """Tell each consumer which of its registrations are still being computed."""
         waiting: dict[str, list[str]] = {}
@@ -470,7 +467,7 @@ class Producer:
             if transfer.peer in self._peers and (computing or transfer.state == "writing"):
                 waiting.setdefault(transfer.peer, []).append(transfer.transfer_id)
         if any(not t.final or t.state == "writing" for t in self._transfers.values()):
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+            self._deadlines.set(HEARTBEAT, now + self.config.heartbeat_s)
         return [Send(peer, Heartbeat(tids)) for peer, tids in waiting.items()]
 
     # -- endings ---------------------------------------------------------------------
