@@ -13,6 +13,7 @@ from protocol_sim import PRODUCER, Sim
 
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol import consumer as consumer_machine
+from kvpush.protocol import producer as producer_machine
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import TRANSITIONS, Consumer, State
 from kvpush.protocol.messages import (
@@ -659,7 +660,7 @@ def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim()
     ]
 
 
-@pytest.mark.parametrize("machine", [consumer_machine])
+@pytest.mark.parametrize("machine", [consumer_machine, producer_machine])
 def test_the_state_tables_in_the_docs_are_the_codes(machine):
     table = machine.TRANSITIONS
     doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
@@ -674,6 +675,18 @@ def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
     assert State.LANDING not in TRANSITIONS[State.ANNOUNCED]
     with pytest.raises(ProtocolError, match="cannot go from announced to landing"):
         TRANSITIONS.move(consumer._transfers["t1"], State.LANDING)
+
+
+def test_the_producer_refuses_to_end_a_transfer_while_its_write_is_in_flight():
+    """Ending a transfer mid-WRITE would release blocks the WRITE still reads, and a
+    Failed would let the consumer free blocks it may still land in."""
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    assert sim.producer.state_of("t1") == producer_machine.State.WRITING
+    with pytest.raises(ProtocolError, match="producer: transfer 't1' cannot go from writing"):
+        sim.producer.abandon("t1", "write_failed", "staging failed", sim.now)
 
 
 def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
