@@ -152,7 +152,11 @@ class Producer:
         self._peers.pop(peer, None)
         actions: list[Action] = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            if transfer.state not in _WRITE_IN_FLIGHT:  # a WRITE in flight ends by its completion
+            if transfer.state in _WRITE_IN_FLIGHT:
+                # The consumer frees its blocks once this WRITE can no longer land:
+                # its completion ends the transfer, and nothing more is written.
+                self._fail_after_write(transfer, "peer_lost", reason)
+            else:
                 actions += self._end(transfer, "peer_lost", now)
         return actions
 

@@ -700,3 +700,20 @@ def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
     assert consumer.state_of("t1") is None
     consumer.expect("t1", PRODUCER, [1, 2], 0.3)  # a new claim, not "already expected"
     assert consumer.state_of("t1") == State.REGISTERED
+
+
+def test_a_write_in_flight_when_the_consumer_is_lost_is_the_last_one():
+    """Told its producer is gone, the consumer frees the blocks once a WRITE posted
+    before then can no longer land: a later layer's WRITE could land after that."""
+    sim = Sim(layers=2)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1", layers=1)
+    assert "t1" in sim.writes
+    sim.kill_link()
+    sim.ready("t1")  # the last layer is computed while the first one crosses
+    sim.finish_writes()
+    assert "t1" not in sim.writes
+    assert sim.released == {"t1": "peer_lost"}
+    sim.settle()
+    sim.check()
