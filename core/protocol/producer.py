@@ -84,12 +84,12 @@ TRANSITIONS = TransitionTable(
         State.COMPUTING: {State.HELD, State.CLAIMED, State.ENDED},
         State.HELD: {State.CLAIMED, State.ENDED},
         State.EARLY: {State.CLAIMED, State.ENDED},
-        State.CLAIMED: {State.CLAIMED, State.WRITING, State.GRANTED, State.ENDED},
+        State.CLAIMED: {State.WRITING, State.GRANTED, State.ENDED},
         State.WRITING: {State.CLAIMED, State.CANCELLING, State.FAILING},
         State.CANCELLING: {State.CLAIMED, State.CANCELLING},
         State.FAILING: {State.CLAIMED, State.CANCELLING},
-        State.GRANTED: {State.CLAIMED, State.ABANDONED, State.ENDED},
-        State.ABANDONED: {State.CLAIMED, State.ENDED},
+        State.GRANTED: {State.ABANDONED, State.ENDED},
+        State.ABANDONED: {State.ENDED},
         State.ENDED: set(),
     },
 )
@@ -417,8 +417,16 @@ class Producer:
         tid = message.transfer_id
         refusal = self._refusal(peer, tid, "pull")
         transfer = self._transfers.get(tid)
-        if refusal is None and transfer is not None and transfer.peer not in (None, peer):
-            refusal = ("conflict", "another consumer is reading it")
+        if refusal is None and transfer is not None and transfer.peer is not None:
+            if transfer.peer != peer:
+                refusal = ("conflict", "another consumer is reading it")
+            elif (transfer.pull_blocks, transfer.skip_blocks) == (
+                message.num_blocks,
+                message.skip_blocks,
+            ):
+                return [Counted("duplicate_pull_requests")]
+            else:
+                refusal = ("conflict", "the transfer id is already claimed")
         if refusal is None and message.num_blocks <= 0:
             refusal = ("bad_blocks", "a pull must ask for at least a block")
         if refusal is not None:

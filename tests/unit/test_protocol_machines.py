@@ -22,6 +22,7 @@ from kvpush.protocol.messages import (
     Complete,
     Failed,
     Grant,
+    PullRequest,
     Register,
 )
 
@@ -717,3 +718,19 @@ def test_a_write_in_flight_when_the_consumer_is_lost_is_the_last_one():
     assert sim.released == {"t1": "peer_lost"}
     sim.settle()
     sim.check()
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_second_pull_request_for_a_granted_transfer_grants_nothing_more(cancelled):
+    """One claim per transfer: a repeated PullRequest must neither expose the blocks
+    again and restart the lease, nor revive a grant the consumer cancelled."""
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver(1)  # the PullRequest: the producer grants
+    consumer = sim.c.name
+    if cancelled:
+        sim.producer.on_message(consumer, Cancel("t1", "aborted"), sim.now)
+    again = sim.producer.on_message(consumer, PullRequest("t1", 4), sim.now)
+    assert [type(a).__name__ for a in again] == ["Counted"]
+    assert again[0].name == "duplicate_pull_requests"
