@@ -468,7 +468,8 @@ class Producer:
         transfer = self._transfers.get(message.transfer_id)
         if transfer is None or transfer.peer != peer or transfer.state not in _READABLE:
             return [Counted("rejected_messages", {"why": "unexpected_release"})]
-        return self._end(transfer, "sent", now)
+        outcome = transfer.reason if transfer.state == State.ABANDONED else "sent"
+        return self._end(transfer, outcome, now)
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
         for tid in message.transfer_ids:
@@ -527,6 +528,9 @@ class Producer:
             # Nobody claimed it yet and the engine still works on it: keep waiting.
             self._deadlines.set(("reg", transfer.transfer_id), now + self.config.registration_ttl_s)
             return []
+        if transfer.state == State.ABANDONED:
+            # The consumer was told when it was abandoned; only the blocks are left.
+            return self._end(transfer, transfer.reason, now)
         return self._end(transfer, reason, now, notify=True)
 
     def next_deadline(self) -> float | None:

@@ -734,3 +734,23 @@ def test_a_second_pull_request_for_a_granted_transfer_grants_nothing_more(cancel
     again = sim.producer.on_message(consumer, PullRequest("t1", 4), sim.now)
     assert [type(a).__name__ for a in again] == ["Counted"]
     assert again[0].name == "duplicate_pull_requests"
+
+
+def test_a_grant_cancelled_in_flight_is_released_as_cancelled_and_told_once():
+    """The consumer aborted while its Grant was on the way: the producer acks the
+    Cancel and keeps the blocks while a READ could copy them, then lets go for the
+    reason the transfer really ended, without a second word to the consumer."""
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver(1)  # the PullRequest: the Grant is on its way
+    sim.abort_consumer("t1")
+    sim.deliver()  # the Cancel crosses the Grant; the CancelAck goes back
+    assert sim.producer.state_of("t1") == "abandoned"
+    sim.now += sim.config.lease_s + 1
+    actions = sim.producer.tick(sim.now)
+    assert [type(a).__name__ for a in actions] == ["ReleaseBlocks"]
+    sim._run_producer(actions)
+    assert sim.released == {"t1": "aborted"}
+    sim.settle()
+    sim.check()
