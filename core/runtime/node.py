@@ -391,7 +391,7 @@ class Node:
         if self._closed:
             sock.close()
             return
-        session = Session(self.config.secret, initiator=outgoing)
+        session = Session(self.config.secret, initiator=outgoing, nonce=os.urandom(16))
         conn = Connection(self.loop, sock, self._on_frame, self._on_close, label=peer)
         link = self._links[peer] = _Link(peer, conn, session, outgoing)
         if outgoing:

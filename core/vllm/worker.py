@@ -14,9 +14,8 @@ from typing import Any
 
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.plugins import Backends, get_backends
-from kvpush.protocol.auth import load_secret
 from kvpush.runtime.node import Node, NodeConfig
-from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.config import ConnectorConfig, load_secret
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta, Produce
 from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
