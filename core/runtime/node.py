@@ -32,7 +32,7 @@ from kvpush.protocol import actions as act
 from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
-from kvpush.protocol.handshake import pairing_problem
+from kvpush.protocol.handshake import ROLES, pairing_problem
 from kvpush.protocol.messages import (
     AgentMetadata,
     Hello,
@@ -50,7 +50,6 @@ from kvpush.transport.loop import Loop, TimerHandle
 
 log = logging.getLogger(__name__)
 
-ROLES = ("producer", "consumer", "both")
 # A batched WRITE's notification lists every transfer it ends: keep it small.
 MAX_WRITES_PER_POST = 64
 

@@ -15,11 +15,14 @@ from typing import Any
 
 from kvpush.errors import ConfigError
 from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.handshake import ROLES
 from kvpush.transport.agent import AgentConfig
 
 log = logging.getLogger(__name__)
 
 ENV_SECRET = "KVPUSH_SECRET"
+# vLLM's kv_role for each kvpush role: kv_producer -> producer, and so on.
+KV_ROLES = {f"kv_{role}": role for role in ROLES}
 
 _PROTOCOL_KEYS = {f.name for f in dataclasses.fields(ProtocolConfig)} - {"mode"}
 
