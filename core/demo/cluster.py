@@ -19,8 +19,7 @@ from typing import Any
 
 from kvpush.demo.servers import ServerSpec, VllmServer
 from kvpush.errors import KVPushError
-
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
+from kvpush.vllm.config import ENV_SECRET, KV_ROLES
 
 
 def free_port() -> int:
@@ -62,8 +61,8 @@ def kvpush_transfer_config(
     role: str, mode: str = "push", policy: str = "fail", **extra: Any
 ) -> dict[str, Any]:
     """A --kv-transfer-config for KVPushConnector (by name: the vLLM plugin registers it)."""
-    if role not in ROLES:
-        raise KVPushError(f"kv_role must be one of {ROLES}, got {role!r}")
+    if role not in KV_ROLES:
+        raise KVPushError(f"kv_role must be one of {sorted(KV_ROLES)}, got {role!r}")
     return {
         "kv_connector": "KVPushConnector",
         "kv_role": role,
@@ -101,7 +100,7 @@ class Cluster:
             transfer = kvpush_transfer_config(role, mode, policy, **extra)
         spec = ServerSpec(
             name, model or self.model, free_port(), transfer, core=core,
-            env={"KVPUSH_SECRET": self.secret},
+            env={ENV_SECRET: self.secret},
         )  # fmt: skip
         server = self.servers[name] = VllmServer(spec, self.workdir)
         return server

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -113,7 +114,7 @@ class Links:
         if self.closed:
             sock.close()
             return
-        session = Session(self.secret, initiator=outgoing)
+        session = Session(self.secret, initiator=outgoing, nonce=os.urandom(16))
         conn = Connection(self.loop, sock, self._on_frame, self._on_close, label=peer)
         link = self._links[peer] = _Link(peer, conn, session, outgoing)
         if outgoing:

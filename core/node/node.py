@@ -31,6 +31,7 @@ from kvpush.protocol import actions as act
 from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.handshake import ROLES
 from kvpush.protocol.messages import Hello, Identity, Message, split_notifs
 from kvpush.protocol.producer import Producer
 from kvpush.transport.agent import AgentConfig, NixlAgent
@@ -38,8 +39,6 @@ from kvpush.transport.channel import Listener
 from kvpush.transport.loop import Loop, TimerHandle
 
 __all__ = ["Node", "NodeConfig", "Outcome"]
-
-ROLES = ("producer", "consumer", "both")
 
 
 @dataclass(frozen=True)

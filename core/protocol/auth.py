@@ -6,6 +6,8 @@ signs with its own key derived from the secret and both sides' nonces, and seque
 numbers must rise:
 a message replayed within the session, carried over from another session, or sent
 back to its author fails. Nothing here does I/O; a Session only holds counters.
+The caller brings the secret (kvpush.vllm.config.load_secret reads it from the
+settings or the environment) and each session's random nonce.
 
 Rejections raise AuthError or ProtocolError and leave the session unchanged.
 """
@@ -14,40 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
-import os
 
 import msgspec
 
-from kvpush.errors import AuthError, ConfigError, ProtocolError
+from kvpush.errors import AuthError, ProtocolError
 from kvpush.protocol.messages import PROTOCOL_VERSION, Hello, Message, Reject, decode, encode
 
-log = logging.getLogger(__name__)
-
-ENV_SECRET = "KVPUSH_SECRET"
 MAC_BYTES = 32
+NONCE_BYTES = 16  # the least a hello's nonce may hold
 _frame_decoder = msgspec.msgpack.Decoder(tuple[int, int, bytes, bytes])
-_warned = False
-
-
-def load_secret(configured: str | bytes | None = None, required: bool = False) -> bytes:
-    """The shared secret: configured value, else $KVPUSH_SECRET, else none (warned)."""
-    global _warned
-    value = configured if configured is not None else os.environ.get(ENV_SECRET)
-    if isinstance(value, str):
-        value = value.encode()
-    if value:
-        return value
-    if required:
-        raise ConfigError(f"no shared secret: set {ENV_SECRET} or the 'secret' setting")
-    if not _warned:
-        _warned = True
-        log.warning(
-            "kvpush: no shared secret (%s); control messages are integrity-checked but "
-            "anyone who can reach the side channel can forge them",
-            ENV_SECRET,
-        )
-    return b""
 
 
 def _mac(key: bytes, seq: int, payload: bytes) -> bytes:
@@ -55,12 +32,15 @@ def _mac(key: bytes, seq: int, payload: bytes) -> bytes:
 
 
 class Session:
-    """One end of an authenticated connection. `initiator` is the side that connected."""
+    """One end of an authenticated connection. `initiator` is the side that connected;
+    `nonce` must be fresh random bytes, never reused: the session keys derive from it."""
 
-    def __init__(self, secret: bytes, initiator: bool) -> None:
+    def __init__(self, secret: bytes, initiator: bool, nonce: bytes) -> None:
+        if len(nonce) < NONCE_BYTES:
+            raise ProtocolError(f"a session nonce needs at least {NONCE_BYTES} random bytes")
         self._secret = secret
         self.initiator = initiator
-        self.nonce = os.urandom(16)
+        self.nonce = nonce
         self.peer_hello: Hello | None = None
         self._send_key = self._recv_key = b""
         self._sent_hello = False

@@ -37,7 +37,8 @@ from kvpush.protocol.messages import (
     Release,
     decode_notif,
 )
-from kvpush.protocol.timers import Deadlines
+from kvpush.protocol.states import TransitionTable
+from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Ended transfers remembered so their late messages are not counted as strays.
 _ENDED_MEMORY = 4096
@@ -57,16 +58,19 @@ class State(enum.StrEnum):
 
 
 # Every move a transfer may make; any other is a bug, refused loudly.
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.ANNOUNCED: frozenset({State.CONNECTING, State.ENDED}),
-    State.CONNECTING: frozenset({State.REGISTERED, State.REQUESTED, State.ENDED}),
-    State.REGISTERED: frozenset({State.LANDING, State.CANCELLING, State.ENDED}),
-    State.LANDING: frozenset({State.CANCELLING, State.ENDED}),
-    State.REQUESTED: frozenset({State.READING, State.ENDED}),
-    State.READING: frozenset({State.CANCELLING, State.ENDED}),
-    State.CANCELLING: frozenset({State.CANCELLING, State.ENDED}),
-    State.ENDED: frozenset(),
-}
+TRANSITIONS = TransitionTable(
+    "consumer",
+    {
+        State.ANNOUNCED: {State.CONNECTING, State.ENDED},
+        State.CONNECTING: {State.REGISTERED, State.REQUESTED, State.ENDED},
+        State.REGISTERED: {State.LANDING, State.CANCELLING, State.ENDED},
+        State.LANDING: {State.CANCELLING, State.ENDED},
+        State.REQUESTED: {State.READING, State.ENDED},
+        State.READING: {State.CANCELLING, State.ENDED},
+        State.CANCELLING: {State.CANCELLING, State.ENDED},
+        State.ENDED: set(),
+    },
+)
 
 # States in which the producer may hold our blocks and write into them.
 _PRODUCER_MAY_WRITE = (State.REGISTERED,)
@@ -126,7 +130,8 @@ class Consumer:
         actions = self._ensure_session(peer)
         if self._ready(peer):
             actions.append(Send(peer, Heartbeat([transfer_id])))
-        return actions + self._arm_heartbeat(now)
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return actions
 
     def expect(
         self,
@@ -149,13 +154,14 @@ class Consumer:
         transfer.skip_blocks = skip_blocks
         transfer.engine = engine
         transfer.epoch = epoch
-        self._move(transfer, State.CONNECTING)
+        TRANSITIONS.move(transfer, State.CONNECTING)
         transfer.give_up_at = now + self.config.max_wait_s
         self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
         actions = self._ensure_session(peer)
         if self._ready(peer):
             actions += self._claim(transfer, now)
-        return actions + self._arm_heartbeat(now)
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return actions
 
     def abort(self, transfer_id: str, now: float) -> list[Action]:
         """The engine gave the request up. Its blocks come back only once it is safe."""
@@ -223,7 +229,7 @@ class Consumer:
                 transfer.cancel_reason = transfer.cancel_reason or "peer_lost"
             elif transfer.state == State.REGISTERED:
                 # A WRITE it posted before dying may still be landing: wait that long.
-                self._move(transfer, State.CANCELLING)
+                TRANSITIONS.move(transfer, State.CANCELLING)
                 transfer.cancel_reason = "peer_lost"
                 self._deadlines.cancel(("watchdog", transfer.transfer_id))
                 self._deadlines.set(("settle", transfer.transfer_id), now + self._landing_bound())
@@ -366,12 +372,12 @@ class Consumer:
             return self._fail(transfer, "handshake_failed", problem)
         transfer.claimed_at = now
         if self.config.mode == "push":
-            self._move(transfer, State.REGISTERED)
+            TRANSITIONS.move(transfer, State.REGISTERED)
             message: Message = Register(
                 transfer.transfer_id, [transfer.blocks], self.layout_digest, transfer.skip_blocks
             )
         else:
-            self._move(transfer, State.REQUESTED)
+            TRANSITIONS.move(transfer, State.REQUESTED)
             message = PullRequest(transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks)
         return [Send(transfer.peer, message)]
 
@@ -399,7 +405,7 @@ class Consumer:
             return self._deliver(transfer)
         if transfer.notified:
             return self._deliver(transfer)
-        self._move(transfer, State.LANDING)
+        TRANSITIONS.move(transfer, State.LANDING)
         self._deadlines.set(("landing", transfer.transfer_id), now + self.config.landing_s)
         return []
 
@@ -415,7 +421,7 @@ class Consumer:
 
     def _settle_later(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
         """Fail the transfer once a WRITE posted into its blocks can no longer land."""
-        self._move(transfer, State.CANCELLING)
+        TRANSITIONS.move(transfer, State.CANCELLING)
         transfer.cancel_reason = reason
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         self._deadlines.cancel(("landing", transfer.transfer_id))
@@ -435,7 +441,7 @@ class Consumer:
             reason = "bad_blocks" if problem else "lease_expired"
             release = Send(transfer.peer, Release(transfer.transfer_id))
             return [release] + self._fail(transfer, reason, problem or "the grant came too late")
-        self._move(transfer, State.READING)
+        TRANSITIONS.move(transfer, State.READING)
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         return [PostRead(transfer.transfer_id, transfer.peer, list(transfer.blocks), remote)]
 
@@ -468,7 +474,7 @@ class Consumer:
         `registration_ttl_s` after the last claim we sent; a WRITE posted just before
         then lands within `write_grace_s`.
         """
-        self._move(transfer, State.CANCELLING)
+        TRANSITIONS.move(transfer, State.CANCELLING)
         transfer.cancel_reason = reason
         self._deadlines.cancel(("watchdog", transfer.transfer_id))
         hello = self._peers[transfer.peer].hello if transfer.peer in self._peers else None
@@ -491,13 +497,8 @@ class Consumer:
                 if transfer.state == State.REGISTERED:
                     transfer.claimed_at = now
         if self._transfers:
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+            self._deadlines.set(HEARTBEAT, now + self.config.heartbeat_s)
         return [Send(peer, Heartbeat(tids)) for peer, tids in wanted.items()]
-
-    def _arm_heartbeat(self, now: float) -> list[Action]:
-        if ("heartbeat", "") not in self._deadlines:
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
-        return []
 
     def _deliver(self, transfer: _Transfer) -> list[Action]:
         complete = transfer.complete
@@ -511,16 +512,8 @@ class Consumer:
             return []
         return [TransferFailed(transfer.transfer_id, reason, detail)]
 
-    def _move(self, transfer: _Transfer, state: State) -> None:
-        if state not in TRANSITIONS[transfer.state]:
-            raise ProtocolError(
-                f"consumer: transfer {transfer.transfer_id!r} cannot go from "
-                f"{transfer.state} to {state}"
-            )
-        transfer.state = state
-
     def _forget(self, transfer: _Transfer) -> None:
-        self._move(transfer, State.ENDED)
+        TRANSITIONS.move(transfer, State.ENDED)
         self._transfers.pop(transfer.transfer_id, None)
         self._ended[transfer.transfer_id] = None
         if len(self._ended) > _ENDED_MEMORY:
@@ -553,12 +546,3 @@ def _not_the_named_producer(transfer: _Transfer, hello: Hello | None) -> str:
             f"decode leg names boot {transfer.epoch!r}"
         )
     return ""
-
-
-def transition_table() -> str:
-    """TRANSITIONS as the Markdown table docs/protocol.md shows (a test keeps them equal)."""
-    rows = ["| from | may go to |", "|---|---|"]
-    for state, targets in TRANSITIONS.items():
-        if targets:
-            rows.append(f"| `{state}` | {', '.join(f'`{t}`' for t in sorted(targets))} |")
-    return "\n".join(rows)

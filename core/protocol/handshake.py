@@ -6,6 +6,8 @@ from kvpush.errors import RegionError
 from kvpush.layout import pairing_split
 from kvpush.protocol.messages import Hello
 
+# What a worker does in a pairing; the one list of them (vLLM's kv_role names map
+# onto these in kvpush.vllm.config).
 ROLES = ("producer", "consumer", "both")
 
 

@@ -17,6 +17,7 @@ notification and is followed by Complete.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,7 +44,8 @@ from kvpush.protocol.messages import (
     Release,
     encode_notif,
 )
-from kvpush.protocol.timers import Deadlines
+from kvpush.protocol.states import TransitionTable
+from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Final-report memory: far more transfers than can end between two reports of one.
 _FINAL_MEMORY = 65536
@@ -58,24 +60,68 @@ class _Peer:
         return self.hello.layout.num_blocks
 
 
+class State(enum.StrEnum):
+    """A transfer on the prefill side."""
+
+    COMPUTING = "computing"  # the engine computes its KV; no consumer has claimed it
+    HELD = "held"  # all its KV is computed, nobody claimed it yet: kept under a lease
+    EARLY = "early"  # claimed before the engine had the request: nothing to heartbeat
+    CLAIMED = "claimed"  # a consumer claimed it (push: its blocks; pull: a READ); idle
+    WRITING = "writing"  # push: a WRITE is in flight
+    CANCELLING = "cancelling"  # the consumer cancelled during a WRITE: ack when it ends
+    FAILING = "failing"  # given up on during a WRITE: Failed when it ends
+    GRANTED = "granted"  # pull: the consumer may READ the KV under a lease
+    ABANDONED = "abandoned"  # a grant given up on: kept while a READ may still copy it
+    ENDED = "ended"  # released or never computed (and forgotten)
+
+
+# Every move a transfer may make; any other is a bug, refused loudly. A transfer with
+# a WRITE in flight never ends directly: the WRITE's completion brings it back to
+# claimed first, so nothing releases blocks a WRITE is still reading or landing.
+TRANSITIONS = TransitionTable(
+    "producer",
+    {
+        State.COMPUTING: {State.HELD, State.CLAIMED, State.ENDED},
+        State.HELD: {State.CLAIMED, State.ENDED},
+        State.EARLY: {State.CLAIMED, State.ENDED},
+        State.CLAIMED: {State.WRITING, State.GRANTED, State.ENDED},
+        State.WRITING: {State.CLAIMED, State.CANCELLING, State.FAILING},
+        State.CANCELLING: {State.CLAIMED, State.CANCELLING},
+        State.FAILING: {State.CLAIMED, State.CANCELLING},
+        State.GRANTED: {State.ABANDONED, State.ENDED},
+        State.ABANDONED: {State.ENDED},
+        State.ENDED: set(),
+    },
+)
+
+# States with a WRITE in flight: it cannot be recalled, only waited for.
+_WRITE_IN_FLIGHT = (State.WRITING, State.CANCELLING, State.FAILING)
+# States a consumer's READ may be copying the KV in (pull).
+_READABLE = (State.GRANTED, State.ABANDONED)
+# States that end on their own terms, whatever the consumer's heartbeats say.
+_ENDING = (State.CANCELLING, State.FAILING, State.ABANDONED)
+# States whose consumer hears, by our heartbeats, that the KV is still coming.
+_HEARTBEATING = (State.CLAIMED, *_WRITE_IN_FLIGHT)
+# States that may yet need heartbeats: the round keeps running while any is present.
+_MAY_HEARTBEAT = (State.COMPUTING, State.EARLY, *_HEARTBEATING)
+
+
 @dataclass
 class _Transfer:
     transfer_id: str
-    kv_blocks: list[int] | None = None  # source blocks, once any of the KV is ready
+    state: State
+    kv_blocks: list[int] | None = None  # source blocks, once any of the KV is computed
     layers_ready: int = 0  # layers 0..layers_ready-1 are computed
     layers_written: int = 0  # ... and 0..layers_written-1 are written (push)
-    final: bool = False  # every layer is ready: the producer is done
     writing_upto: int = 0  # the WRITE in flight covers layers up to this one
     nbytes: int = 0
     kv_ready_wall: float = 0.0
-    in_engine: bool = False  # the engine holds the request (queued or computing)
-    peer: str | None = None  # the consumer it is bound to
+    peer: str | None = None  # the consumer that claimed it
     dst_blocks: list[int] | None = None  # push: registered destinations
     skip_blocks: int = 0  # leading source blocks the consumer holds already
     pull_blocks: int = 0  # pull: blocks the consumer asked for
-    state: str = "waiting"  # waiting | writing | granted
-    cancel_reason: str | None = None  # a cancel or abort arrived while writing
-    cancelled_by_peer: bool = False
+    reason: str = ""  # cancelling, failing, abandoned: why the transfer ends
+    detail: str = ""  # failing: what the consumer is told
 
 
 class Producer:
@@ -106,7 +152,11 @@ class Producer:
         self._peers.pop(peer, None)
         actions: list[Action] = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            if transfer.state != "writing":  # a WRITE in flight ends by its completion
+            if transfer.state in _WRITE_IN_FLIGHT:
+                # The consumer frees its blocks once this WRITE can no longer land:
+                # its completion ends the transfer, and nothing more is written.
+                self._fail_after_write(transfer, "peer_lost", reason)
+            else:
                 actions += self._end(transfer, "peer_lost", now)
         return actions
 
@@ -116,11 +166,12 @@ class Producer:
         """The engine has the request: registrations for it are worth keeping."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None and transfer_id not in self._tombstones:
-            transfer = self._transfers[transfer_id] = _Transfer(transfer_id)
+            self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
             self._deadlines.set(("reg", transfer_id), now + self.config.registration_ttl_s)
-        if transfer is not None:
-            transfer.in_engine = True
-        return self._arm_heartbeat(now)
+        elif transfer is not None and transfer.state == State.EARLY:
+            TRANSITIONS.move(transfer, State.CLAIMED)
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return []
 
     def kv_ready(
         self,
@@ -153,22 +204,25 @@ class Producer:
             if not final:
                 self._released.add(transfer_id)
             return [ReleaseBlocks(transfer_id, self._tombstones[transfer_id])]
-        transfer = self._transfers.setdefault(transfer_id, _Transfer(transfer_id))
-        if transfer.final or layers <= transfer.layers_ready:
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
+        if layers <= transfer.layers_ready:
             return [Counted("duplicate_kv_ready")]
         if transfer.kv_blocks is None:
             transfer.kv_blocks = list(block_ids)
         transfer.layers_ready = layers
-        if layers < self.num_layers:
+        if transfer.state == State.EARLY:
+            TRANSITIONS.move(transfer, State.CLAIMED)  # the engine has the request now
+        if not final:
             return self._write_more(transfer, now) if transfer.dst_blocks is not None else []
-        transfer.final = True
         transfer.kv_ready_wall = ready_wall
-        transfer.in_engine = False
         self._deadlines.cancel(("reg", transfer_id))
         if transfer.dst_blocks is not None:
             return self._write_more(transfer, now)
-        if transfer.pull_blocks and transfer.peer is not None:
+        if transfer.peer is not None:
             return self._grant(transfer, now)
+        TRANSITIONS.move(transfer, State.HELD)
         lease = max(now + self.config.lease_s, self._deadlines.get(("claim", transfer_id)) or 0)
         self._deadlines.cancel(("claim", transfer_id))
         self._deadlines.set(("lease", transfer_id), lease)
@@ -181,8 +235,8 @@ class Producer:
             self._released.discard(transfer_id)  # no more layer reports will come
             self._tombstone(transfer_id, "aborted", now)
             return []
-        if transfer.state == "writing":
-            transfer.cancel_reason = transfer.cancel_reason or "aborted"
+        if transfer.state in _WRITE_IN_FLIGHT:
+            self._fail_after_write(transfer, "aborted", "the prefill request was aborted")
             return []
         return self._end(transfer, "aborted", now, notify=True)
 
@@ -198,28 +252,28 @@ class Producer:
         """The WRITE in flight for `transfer_id` completed (ok) or failed; `may_land`:
         it was given up on unfinished, so its bytes may still arrive."""
         transfer = self._transfers.get(transfer_id)
-        if transfer is None or transfer.state != "writing":
+        if transfer is None or transfer.state not in _WRITE_IN_FLIGHT:
             return [Counted("unexpected_write_completion")]
-        transfer.state = "waiting"
-        peer = transfer.peer
-        if transfer.cancel_reason is not None:
-            outcome = transfer.cancel_reason
-            message: Message = (
-                CancelAck(transfer_id, may_land)
-                if transfer.cancelled_by_peer
-                else Failed(transfer_id, outcome, "the prefill request was aborted", may_land)
-            )
+        ended_as = transfer.state
+        TRANSITIONS.move(transfer, State.CLAIMED)  # nothing is in flight any more
+        if ended_as == State.CANCELLING:
+            outcome = transfer.reason
+            message: Message = CancelAck(transfer_id, may_land)
+        elif ended_as == State.FAILING:
+            outcome = transfer.reason
+            message = Failed(transfer_id, outcome, transfer.detail, may_land)
         elif not ok:
-            message = Failed(transfer_id, "write_failed", detail, may_land)
             outcome = "write_failed"
+            message = Failed(transfer_id, outcome, detail, may_land)
         else:
             transfer.layers_written = transfer.writing_upto
             transfer.nbytes += nbytes
-            if not (transfer.final and transfer.layers_written == self.num_layers):
+            if transfer.layers_written < self.num_layers:
                 return self._write_more(transfer, now)
+            outcome = "sent"
             notif = encode_notif(transfer_id, transfer.kv_ready_wall)
             message = Complete(transfer_id, notif, transfer.nbytes, transfer.kv_ready_wall)
-            outcome = "sent"
+        peer = transfer.peer
         actions: list[Action] = [Send(peer, message)] if peer in self._peers else []
         return actions + self._end(transfer, outcome, now)
 
@@ -254,15 +308,25 @@ class Producer:
             refusal = ("conflict", "the transfer id is already claimed")
         if refusal is not None:
             return self._refuse(peer, tid, *refusal, now)
-        transfer = self._transfers.setdefault(tid, _Transfer(tid))
-        transfer.peer = peer
+        transfer = self._claim(tid, peer)
         transfer.dst_blocks = list(destinations)
         transfer.skip_blocks = message.skip_blocks
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
-        self._arm_heartbeat(now)  # the consumer hears from us while prefill computes
+        # The consumer hears from us while prefill computes.
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         if transfer.kv_blocks is not None:
             return self._write_more(transfer, now)
         return []
+
+    def _claim(self, tid: str, peer: str) -> _Transfer:
+        """Bind `tid` to the consumer at `peer`, whether or not the engine has it yet."""
+        transfer = self._transfers.get(tid)
+        if transfer is None:
+            transfer = self._transfers[tid] = _Transfer(tid, State.EARLY)
+        else:
+            TRANSITIONS.move(transfer, State.CLAIMED)
+        transfer.peer = peer
+        return transfer
 
     def _refusal(self, peer: str, tid: str, mode: str) -> tuple[str, str] | None:
         """Why a claim on `tid` from `peer` must be refused before looking at it."""
@@ -279,10 +343,10 @@ class Producer:
         written for `tid` into its blocks, whatever it sends later."""
         transfer = self._transfers.get(tid)
         if transfer is not None and transfer.peer == peer:
-            if transfer.state == "writing":
-                transfer.cancel_reason = transfer.cancel_reason or reason
+            if transfer.state in _WRITE_IN_FLIGHT:
+                self._fail_after_write(transfer, reason, detail)
                 return []  # Failed goes out when the WRITE in flight is over
-            if transfer.state == "granted":
+            if transfer.state in _READABLE:
                 return [Send(peer, Failed(tid, reason, detail))] + self._hold_grant(
                     transfer, reason
                 )
@@ -307,10 +371,11 @@ class Producer:
     def _write_more(self, transfer: _Transfer, now: float) -> list[Action]:
         """Post the next WRITE: every ready layer not yet written, if none is in flight."""
         assert transfer.kv_blocks is not None and transfer.dst_blocks is not None
-        if transfer.state == "writing":
+        if transfer.state in _WRITE_IN_FLIGHT:
             return []  # its completion posts what became ready meanwhile
+        all_ready = transfer.layers_ready == self.num_layers
         self._deadlines.cancel(("lease", transfer.transfer_id))
-        if transfer.final:
+        if all_ready:
             self._deadlines.cancel(("reg", transfer.transfer_id))
         sources = transfer.kv_blocks[transfer.skip_blocks :]
         destinations = transfer.dst_blocks
@@ -321,15 +386,14 @@ class Producer:
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
         if not destinations or transfer.layers_written == self.num_layers:
-            if not transfer.final:
+            if not all_ready:
                 return []
             # Nothing (more) to move, e.g. decode holds every block in its prefix cache.
             complete = Complete(transfer.transfer_id, b"", transfer.nbytes, transfer.kv_ready_wall)
             return [Send(transfer.peer, complete)] + self._end(transfer, "sent", now)
         if transfer.layers_written == transfer.layers_ready:
             return []
-        last = transfer.final and transfer.layers_ready == self.num_layers
-        transfer.state = "writing"
+        TRANSITIONS.move(transfer, State.WRITING)
         transfer.writing_upto = transfer.layers_ready
         return [
             PostWrite(
@@ -337,26 +401,40 @@ class Producer:
                 transfer.peer,
                 sources[: len(destinations)],
                 destinations,
-                encode_notif(transfer.transfer_id, transfer.kv_ready_wall) if last else b"",
+                encode_notif(transfer.transfer_id, transfer.kv_ready_wall) if all_ready else b"",
                 (transfer.layers_written, transfer.layers_ready),
             )
         ]
+
+    def _fail_after_write(self, transfer: _Transfer, reason: str, detail: str) -> None:
+        """The transfer is over, but its WRITE in flight cannot be recalled: say
+        Failed once that WRITE is. A cancel already under way says it first."""
+        if transfer.state == State.WRITING:
+            TRANSITIONS.move(transfer, State.FAILING)
+            transfer.reason, transfer.detail = reason, detail
 
     def _on_pull_request(self, peer: str, message: PullRequest, now: float) -> list[Action]:
         tid = message.transfer_id
         refusal = self._refusal(peer, tid, "pull")
         transfer = self._transfers.get(tid)
-        if refusal is None and transfer is not None and transfer.peer not in (None, peer):
-            refusal = ("conflict", "another consumer is reading it")
+        if refusal is None and transfer is not None and transfer.peer is not None:
+            if transfer.peer != peer:
+                refusal = ("conflict", "another consumer is reading it")
+            elif (transfer.pull_blocks, transfer.skip_blocks) == (
+                message.num_blocks,
+                message.skip_blocks,
+            ):
+                return [Counted("duplicate_pull_requests")]
+            else:
+                refusal = ("conflict", "the transfer id is already claimed")
         if refusal is None and message.num_blocks <= 0:
             refusal = ("bad_blocks", "a pull must ask for at least a block")
         if refusal is not None:
             return self._refuse(peer, tid, *refusal, now)
-        transfer = self._transfers.setdefault(tid, _Transfer(tid))
-        transfer.peer = peer
+        transfer = self._claim(tid, peer)
         transfer.pull_blocks = message.num_blocks
         transfer.skip_blocks = message.skip_blocks
-        if transfer.final:
+        if transfer.layers_ready == self.num_layers:
             return self._grant(transfer, now)
         self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
         return []
@@ -370,7 +448,7 @@ class Producer:
                 f"{len(transfer.kv_blocks)} held"
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
-        transfer.state = "granted"
+        TRANSITIONS.move(transfer, State.GRANTED)
         self._deadlines.cancel(("reg", transfer.transfer_id))
         self._deadlines.set(("lease", transfer.transfer_id), now + self.config.lease_s)
         # The consumer holds the first blocks already (prefix cache): grant the rest.
@@ -381,14 +459,17 @@ class Producer:
     def _hold_grant(self, transfer: _Transfer, reason: str) -> list[Action]:
         """A granted transfer is abandoned, but a READ may still be copying its blocks:
         keep them until the consumer's Release or the lease's end, renewing nothing."""
-        transfer.cancel_reason = transfer.cancel_reason or reason
+        if transfer.state == State.GRANTED:
+            TRANSITIONS.move(transfer, State.ABANDONED)
+            transfer.reason = reason
         return []
 
     def _on_release(self, peer: str, message: Release, now: float) -> list[Action]:
         transfer = self._transfers.get(message.transfer_id)
-        if transfer is None or transfer.peer != peer or transfer.state != "granted":
+        if transfer is None or transfer.peer != peer or transfer.state not in _READABLE:
             return [Counted("rejected_messages", {"why": "unexpected_release"})]
-        return self._end(transfer, "sent", now)
+        outcome = transfer.reason if transfer.state == State.ABANDONED else "sent"
+        return self._end(transfer, outcome, now)
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
         for tid in message.transfer_ids:
@@ -398,7 +479,7 @@ class Producer:
                     # A consumer already waits for KV this engine has not produced yet.
                     self._deadlines.set(("claim", tid), now + self.config.lease_s)
                 continue
-            if transfer.peer not in (None, peer) or transfer.cancel_reason:
+            if transfer.peer not in (None, peer) or transfer.state in _ENDING:
                 continue
             self._deadlines.extend(("lease", tid), now + self.config.lease_s)
             self._deadlines.extend(("reg", tid), now + self.config.registration_ttl_s)
@@ -407,25 +488,21 @@ class Producer:
     def _on_cancel(self, peer: str, message: Cancel, now: float) -> list[Action]:
         tid = message.transfer_id
         transfer = self._transfers.get(tid)
+        ack = Send(peer, CancelAck(tid))
         if transfer is not None and transfer.peer not in (None, peer):
-            return [Send(peer, CancelAck(tid))]  # someone else's transfer: not yours to end
+            return [ack]  # someone else's transfer: not yours to end
         if transfer is None:
             # The consumer gave up before we heard of it: free the KV as soon as it exists.
             self._tombstone(tid, "aborted", now)
-            return [Send(peer, CancelAck(tid))]
-        if transfer.state == "granted":
-            return [Send(peer, CancelAck(tid))] + self._hold_grant(transfer, message.reason)
-        if transfer.state == "writing":
+            return [ack]
+        if transfer.state in _READABLE:
+            return [ack] + self._hold_grant(transfer, message.reason)
+        if transfer.state in _WRITE_IN_FLIGHT:
             # The WRITE cannot be recalled; the ack goes out when it is over.
-            transfer.cancel_reason = message.reason
-            transfer.cancelled_by_peer = True
+            TRANSITIONS.move(transfer, State.CANCELLING)
+            transfer.reason = message.reason
             return []
-        if transfer.kv_blocks is not None:
-            return [Send(peer, CancelAck(tid))] + self._end(transfer, message.reason, now)
-        self._transfers.pop(tid)
-        self._deadlines.cancel(("reg", tid))
-        self._tombstone(tid, message.reason, now)
-        return [Send(peer, CancelAck(tid))]
+        return [ack] + self._end(transfer, message.reason, now)
 
     # -- time ------------------------------------------------------------------------
 
@@ -444,33 +521,29 @@ class Producer:
 
     def _expire(self, transfer: _Transfer, kind: str, now: float) -> list[Action]:
         reason = "lease_expired" if kind == "lease" else "registration_expired"
-        if transfer.state == "writing":
-            # A WRITE in flight cannot be recalled: its completion ends the transfer.
-            transfer.cancel_reason = transfer.cancel_reason or reason
+        if transfer.state in _WRITE_IN_FLIGHT:
+            self._fail_after_write(transfer, reason, "")
             return []
-        if kind == "reg" and transfer.in_engine and transfer.peer is None:
+        if transfer.state == State.COMPUTING:
             # Nobody claimed it yet and the engine still works on it: keep waiting.
             self._deadlines.set(("reg", transfer.transfer_id), now + self.config.registration_ttl_s)
             return []
+        if transfer.state == State.ABANDONED:
+            # The consumer was told when it was abandoned; only the blocks are left.
+            return self._end(transfer, transfer.reason, now)
         return self._end(transfer, reason, now, notify=True)
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next_deadline()
 
-    def _arm_heartbeat(self, now: float) -> list[Action]:
-        if ("heartbeat", "") not in self._deadlines:
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
-        return []
-
     def _heartbeats(self, now: float) -> list[Action]:
-        """Tell each consumer which of its registrations are still being computed."""
+        """Tell each consumer which of its claims are still being computed or written."""
         waiting: dict[str, list[str]] = {}
         for transfer in self._transfers.values():
-            computing = not transfer.final and (transfer.in_engine or bool(transfer.kv_blocks))
-            if transfer.peer in self._peers and (computing or transfer.state == "writing"):
+            if transfer.state in _HEARTBEATING and transfer.peer in self._peers:
                 waiting.setdefault(transfer.peer, []).append(transfer.transfer_id)
-        if any(not t.final or t.state == "writing" for t in self._transfers.values()):
-            self._deadlines.set(("heartbeat", ""), now + self.config.heartbeat_s)
+        if any(t.state in _MAY_HEARTBEAT for t in self._transfers.values()):
+            self._deadlines.set(HEARTBEAT, now + self.config.heartbeat_s)
         return [Send(peer, Heartbeat(tids)) for peer, tids in waiting.items()]
 
     # -- endings ---------------------------------------------------------------------
@@ -479,6 +552,7 @@ class Producer:
         self, transfer: _Transfer, outcome: str, now: float, notify: bool = False, detail: str = ""
     ) -> list[Action]:
         """Forget the transfer; free its KV (once) and tell its consumer if asked."""
+        TRANSITIONS.move(transfer, State.ENDED)
         tid = transfer.transfer_id
         self._transfers.pop(tid, None)
         for kind in ("lease", "reg", "claim"):
@@ -488,7 +562,7 @@ class Producer:
         if notify and transfer.peer in self._peers:
             actions.append(Send(transfer.peer, Failed(tid, outcome, detail)))
         if transfer.kv_blocks is not None:
-            if not transfer.final:
+            if transfer.layers_ready < self.num_layers:
                 self._released.add(tid)  # more layer reports will come: ignore them
             actions.append(ReleaseBlocks(tid, outcome, transfer.nbytes))
         return actions
@@ -515,9 +589,14 @@ class Producer:
         """Transfers whose KV blocks the producer still holds."""
         return [t.transfer_id for t in self._transfers.values() if t.kv_blocks is not None]
 
-    def active(self) -> int:
-        return len(self._transfers)
+    def claimed(self) -> int:
+        """How many live transfers a consumer has claimed (registered, or asked to read)."""
+        return sum(1 for t in self._transfers.values() if t.peer is not None)
+
+    def state_of(self, transfer_id: str) -> State | None:
+        transfer = self._transfers.get(transfer_id)
+        return transfer.state if transfer else None
 
     def awaiting_reads(self) -> bool:
         """True while a consumer may be reading our blocks (pull)."""
-        return any(t.state == "granted" for t in self._transfers.values())
+        return any(t.state in _READABLE for t in self._transfers.values())

@@ -12,6 +12,9 @@ import heapq
 import itertools
 from collections.abc import Hashable
 
+# The key of a machine's periodic heartbeat round (one per machine, for all peers).
+HEARTBEAT = ("heartbeat", "")
+
 
 class Deadlines:
     """At most one live deadline per key."""
@@ -70,3 +73,10 @@ class Deadlines:
         if len(self._heap) > 64 and len(self._heap) > 4 * len(self._live):
             self._heap = [(d, s, k) for k, (d, s) in self._live.items()]
             heapq.heapify(self._heap)
+
+
+def arm_heartbeat(deadlines: Deadlines, now: float, period: float) -> None:
+    """Make sure a heartbeat round is due within `period`; an armed one stays as it is,
+    so frequent calls never push the round back."""
+    if HEARTBEAT not in deadlines:
+        deadlines.set(HEARTBEAT, now + period)

@@ -7,13 +7,22 @@ raised when vLLM builds the connector, before any request.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.errors import ConfigError
 from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.handshake import ROLES
 from kvpush.transport.agent import AgentConfig
+
+log = logging.getLogger(__name__)
+
+ENV_SECRET = "KVPUSH_SECRET"
+# vLLM's kv_role for each kvpush role: kv_producer -> producer, and so on.
+KV_ROLES = {f"kv_{role}": role for role in ROLES}
 
 _PROTOCOL_KEYS = {f.name for f in dataclasses.fields(ProtocolConfig)} - {"mode"}
 
@@ -115,3 +124,26 @@ def _checked(key: str, value: Any) -> Any:
     if key == "device_options" and not isinstance(value, dict):
         raise ConfigError(f"device_options must be an object, got {value!r}")
     return value
+
+
+_warned_no_secret = False
+
+
+def load_secret(configured: str | bytes | None = None, required: bool = False) -> bytes:
+    """The shared secret: configured value, else $KVPUSH_SECRET, else none (warned once)."""
+    global _warned_no_secret
+    value = configured if configured is not None else os.environ.get(ENV_SECRET)
+    if isinstance(value, str):
+        value = value.encode()
+    if value:
+        return value
+    if required:
+        raise ConfigError(f"no shared secret: set {ENV_SECRET} or the 'secret' setting")
+    if not _warned_no_secret:
+        _warned_no_secret = True
+        log.warning(
+            "kvpush: no shared secret (%s); control messages are integrity-checked but "
+            "anyone who can reach the side channel can forge them",
+            ENV_SECRET,
+        )
+    return b""

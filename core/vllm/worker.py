@@ -15,8 +15,7 @@ from typing import Any
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends, get_backends
-from kvpush.protocol.auth import load_secret
-from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.config import KV_ROLES, ConnectorConfig, load_secret
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta, Produce
 from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
@@ -27,7 +26,6 @@ log = logging.getLogger(__name__)
 # vLLM (>= 0.32) hands every attention layer's cache with the logical shape
 # [num_blocks, kv_heads, block_size, K and V packed]; strides say how it really lies.
 VLLM_KV_DIMS = ("blocks", "heads", "tokens", "kvdim")
-ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 
 
 def check_blocks_match(
@@ -63,7 +61,7 @@ class WorkerSide:
     ) -> None:
         self.config = config
         self.engine_id = engine_id
-        self.role = ROLES[kv_role]
+        self.role = KV_ROLES[kv_role]
         self.rank, self.world = rank, world
         self.device_type = device_type
         self.backends = backends or get_backends()

@@ -140,12 +140,7 @@ class NodePeer:
 
     def registered(self) -> dict:
         """How many transfers a consumer has registered with the producer."""
-
-        def count() -> int:
-            transfers = self.node.producer._transfers.values()
-            return sum(1 for t in transfers if t.peer is not None)
-
-        return {"count": self.node.loop.call(count)}
+        return {"count": self.node.loop.call(self.node.producer.claimed)}
 
     def kv_ready_pattern(self, tid: str, blocks: list[int], seed: int, fence: bool = True) -> dict:
         """Fake devices: compute each layer of `blocks` (kv_devices.pattern bytes) and say

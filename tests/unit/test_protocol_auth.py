@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 from protocol_sim import hello as make_hello
 
-from kvpush.errors import AuthError, ConfigError, ProtocolError
+from kvpush.errors import AuthError, ProtocolError
 from kvpush.protocol import messages as m
-from kvpush.protocol.auth import Session, load_secret
+from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
 
 SECRET = b"s3cret"
+
+
+def new_session(secret: bytes, initiator: bool) -> Session:
+    """A Session with a fresh nonce, as the Node makes one per connection."""
+    return Session(secret, initiator, nonce=os.urandom(16))
 
 
 def _hello(session: Session, role: str, name: str) -> m.Hello:
@@ -20,7 +27,7 @@ def _hello(session: Session, role: str, name: str) -> m.Hello:
 
 
 def established_pair(secret: bytes = SECRET) -> tuple[Session, Session]:
-    client, server = Session(secret, initiator=True), Session(secret, initiator=False)
+    client, server = new_session(secret, initiator=True), new_session(secret, initiator=False)
     server.open(client.seal(_hello(client, "consumer", "decode")))
     client.open(server.seal(_hello(server, "producer", "prefill")))
     assert client.established and server.established
@@ -37,7 +44,7 @@ def test_messages_round_trip_both_ways():
 
 def test_forged_message_without_the_secret_is_rejected():
     _client, server = established_pair()
-    forger = Session(b"guess", initiator=True)
+    forger = new_session(b"guess", initiator=True)
     forger._send_key = b"k" * 32
     forger._sent_hello = True
     forger.peer_hello = server.peer_hello
@@ -46,8 +53,8 @@ def test_forged_message_without_the_secret_is_rejected():
 
 
 def test_hello_with_another_secret_is_rejected():
-    client = Session(b"other", initiator=True)
-    server = Session(SECRET, initiator=False)
+    client = new_session(b"other", initiator=True)
+    server = new_session(SECRET, initiator=False)
     with pytest.raises(AuthError, match="different shared secret"):
         server.open(client.seal(_hello(client, "consumer", "decode")))
     assert server.peer_hello is None
@@ -77,7 +84,7 @@ def test_reflected_message_is_rejected():
 
 def test_second_hello_is_rejected():
     _client, server = established_pair()
-    replay = Session(SECRET, initiator=True)
+    replay = new_session(SECRET, initiator=True)
     with pytest.raises(AuthError, match="second hello"):
         server.open(replay.seal(_hello(replay, "consumer", "decode")))
 
@@ -118,15 +125,9 @@ def test_decode_rejects_semantic_nonsense():
             m.decode(m.encode(bad))
 
 
-def test_secret_comes_from_config_or_environment(monkeypatch):
-    monkeypatch.delenv("KVPUSH_SECRET", raising=False)
-    assert load_secret("abc") == b"abc"
-    monkeypatch.setenv("KVPUSH_SECRET", "fromenv")
-    assert load_secret() == b"fromenv"
-    monkeypatch.delenv("KVPUSH_SECRET")
-    assert load_secret() == b""
-    with pytest.raises(ConfigError, match="KVPUSH_SECRET"):
-        load_secret(required=True)
+def test_a_session_refuses_a_nonce_too_short_to_be_fresh():
+    with pytest.raises(ProtocolError, match="nonce"):
+        Session(SECRET, initiator=True, nonce=b"0" * 15)
 
 
 def test_a_batched_notification_splits_back_and_a_malformed_one_is_refused():

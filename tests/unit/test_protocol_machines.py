@@ -12,9 +12,19 @@ import pytest
 from protocol_sim import PRODUCER, Sim
 
 from kvpush.errors import ConfigError, ProtocolError
+from kvpush.protocol import consumer as consumer_machine
+from kvpush.protocol import producer as producer_machine
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.protocol.consumer import TRANSITIONS, Consumer, State, transition_table
-from kvpush.protocol.messages import Cancel, CancelAck, Complete, Failed, Grant, Register
+from kvpush.protocol.consumer import TRANSITIONS, Consumer, State
+from kvpush.protocol.messages import (
+    Cancel,
+    CancelAck,
+    Complete,
+    Failed,
+    Grant,
+    PullRequest,
+    Register,
+)
 
 
 def test_registration_first_then_kv():
@@ -651,11 +661,13 @@ def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim()
     ]
 
 
-def test_the_consumer_state_table_in_the_docs_is_the_codes():
+@pytest.mark.parametrize("machine", [consumer_machine, producer_machine])
+def test_the_state_tables_in_the_docs_are_the_codes(machine):
+    table = machine.TRANSITIONS
     doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
-    start = doc.index("<!-- consumer-transitions")
-    shown = doc[doc.index("\n", start) + 1 : doc.index("<!-- end consumer-transitions")]
-    assert shown.strip() == transition_table()
+    start = doc.index(f"<!-- {table.side}-transitions")
+    shown = doc[doc.index("\n", start) + 1 : doc.index(f"<!-- end {table.side}-transitions")]
+    assert shown.strip() == table.markdown(), f"paste {table.side}'s TRANSITIONS.markdown()"
 
 
 def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
@@ -663,7 +675,19 @@ def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
     consumer.announce("t1", PRODUCER, 0.0)
     assert State.LANDING not in TRANSITIONS[State.ANNOUNCED]
     with pytest.raises(ProtocolError, match="cannot go from announced to landing"):
-        consumer._move(consumer._transfers["t1"], State.LANDING)
+        TRANSITIONS.move(consumer._transfers["t1"], State.LANDING)
+
+
+def test_the_producer_refuses_to_end_a_transfer_while_its_write_is_in_flight():
+    """Ending a transfer mid-WRITE would release blocks the WRITE still reads, and a
+    Failed would let the consumer free blocks it may still land in."""
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    assert sim.producer.state_of("t1") == producer_machine.State.WRITING
+    with pytest.raises(ProtocolError, match="producer: transfer 't1' cannot go from writing"):
+        sim.producer.abandon("t1", "write_failed", "staging failed", sim.now)
 
 
 def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
@@ -677,3 +701,56 @@ def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
     assert consumer.state_of("t1") is None
     consumer.expect("t1", PRODUCER, [1, 2], 0.3)  # a new claim, not "already expected"
     assert consumer.state_of("t1") == State.REGISTERED
+
+
+def test_a_write_in_flight_when_the_consumer_is_lost_is_the_last_one():
+    """Told its producer is gone, the consumer frees the blocks once a WRITE posted
+    before then can no longer land: a later layer's WRITE could land after that."""
+    sim = Sim(layers=2)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1", layers=1)
+    assert "t1" in sim.writes
+    sim.kill_link()
+    sim.ready("t1")  # the last layer is computed while the first one crosses
+    sim.finish_writes()
+    assert "t1" not in sim.writes
+    assert sim.released == {"t1": "peer_lost"}
+    sim.settle()
+    sim.check()
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_second_pull_request_for_a_granted_transfer_grants_nothing_more(cancelled):
+    """One claim per transfer: a repeated PullRequest must neither expose the blocks
+    again and restart the lease, nor revive a grant the consumer cancelled."""
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver(1)  # the PullRequest: the producer grants
+    consumer = sim.c.name
+    if cancelled:
+        sim.producer.on_message(consumer, Cancel("t1", "aborted"), sim.now)
+    again = sim.producer.on_message(consumer, PullRequest("t1", 4), sim.now)
+    assert [type(a).__name__ for a in again] == ["Counted"]
+    assert again[0].name == "duplicate_pull_requests"
+
+
+def test_a_grant_cancelled_in_flight_is_released_as_cancelled_and_told_once():
+    """The consumer aborted while its Grant was on the way: the producer acks the
+    Cancel and keeps the blocks while a READ could copy them, then lets go for the
+    reason the transfer really ended, without a second word to the consumer."""
+    sim = Sim(mode="pull")
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.deliver(1)  # the PullRequest: the Grant is on its way
+    sim.abort_consumer("t1")
+    sim.deliver()  # the Cancel crosses the Grant; the CancelAck goes back
+    assert sim.producer.state_of("t1") == "abandoned"
+    sim.now += sim.config.lease_s + 1
+    actions = sim.producer.tick(sim.now)
+    assert [type(a).__name__ for a in actions] == ["ReleaseBlocks"]
+    sim._run_producer(actions)
+    assert sim.released == {"t1": "aborted"}
+    sim.settle()
+    sim.check()

@@ -1,7 +1,8 @@
-"""The tree stays ruff-clean (lint and format), so CI catches what review would."""
+"""The tree stays ruff-clean (lint and format), and the protocol package stays sans-I/O."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -23,3 +24,37 @@ def _ruff() -> list[str]:
 def test_ruff(command):
     result = subprocess.run(_ruff() + command, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
+
+
+# What the protocol package may not import: it is sans-I/O (events in, actions out),
+# so the environment, clocks, randomness, logging and sockets belong to its callers.
+IO_MODULES = {
+    "os",
+    "logging",
+    "time",
+    "socket",
+    "threading",
+    "random",
+    "secrets",
+    "select",
+    "asyncio",
+    "subprocess",
+}
+
+
+def test_the_protocol_package_does_no_io():
+    offenders = []
+    for path in sorted((ROOT / "core" / "protocol").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            offenders += [
+                f"{path.name}:{node.lineno} imports {name}"
+                for name in names
+                if name.split(".")[0] in IO_MODULES
+            ]
+    assert not offenders, offenders
