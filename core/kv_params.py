@@ -19,6 +19,8 @@ def decode_params(transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
         "remote_epoch": identity["epoch"],
         "remote_addresses": list(identity["addresses"]),
         "tp_size": identity["tp_size"],
+        "remote_dp_rank": identity.get("dp_rank", 0),
+        "remote_dp_size": identity.get("dp_size", 1),
     }
 
 
@@ -32,6 +34,8 @@ def identity_from_decode_params(params: dict[str, Any]) -> dict[str, Any] | None
             "transfer_mode": params["transfer_mode"],
             "addresses": list(params["remote_addresses"]),
             "tp_size": params["tp_size"],
+            "dp_rank": int(params.get("remote_dp_rank", 0)),
+            "dp_size": int(params.get("remote_dp_size", 1)),
         }
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None

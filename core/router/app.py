@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +32,9 @@ from kvpush.router.legs import (
 )
 
 log = logging.getLogger(__name__)
+
+# vLLM's API server places a request on this data-parallel rank (its engine client).
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 # Per-request state kept on the aiohttp request (typed keys where aiohttp has them).
@@ -292,12 +296,12 @@ class Router:
         trace: Trace = request[TRACE]
         trace.transfer_id = transfer_id
         # Only push needs the identity up front; pull learns it from the prefill answer.
-        if self.config.mode == "push" and prefill.identity is None and prefill.identity_url:
+        if self.config.mode == "push" and not prefill.ranks and prefill.identity_url:
             try:
                 await self._learn_identity(prefill)
             except LegError as exc:
                 log.warning("kvpush router: %s", exc.message)
-        if self.config.mode == "pull" or prefill.identity is None:
+        if self.config.mode == "pull" or not prefill.ranks:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
             trace.mark("prefill_sent")
             leg = prefill_leg(body, transfer_id)
@@ -310,7 +314,7 @@ class Router:
                     f"prefill instance {prefill.url} answered without a kvpush identity: is "
                     "it running KVPushConnector? (an upstream NixlConnector cannot pair)",
                 )
-            prefill.identity = echo
+            prefill.learn(echo)
             leg = decode_leg(body, transfer_id, echo)
             return await self._relay(request, decode, endpoint, leg, headers)
         return await self._both_at_once(
@@ -327,13 +331,16 @@ class Router:
         decode: Instance,
         headers: dict[str, str],
     ) -> web.StreamResponse:
-        assert prefill.identity is not None
+        rank, identity = prefill.pick_rank()
         prefill_leg_body = prefill_leg(body, transfer_id)
-        decode_leg_body = decode_leg(body, transfer_id, prefill.identity)
+        decode_leg_body = decode_leg(body, transfer_id, identity)
+        # Data parallel: the decode leg names one DP rank's engine, so the prefill leg
+        # must run on that rank, not wherever vLLM's own balancing would put it.
+        prefill_headers = headers if rank is None else {**headers, DP_RANK_HEADER: str(rank)}
         trace: Trace = request[TRACE]
         trace.mark("prefill_sent")
         prefill_task = asyncio.ensure_future(
-            self._post_json(prefill, endpoint, prefill_leg_body, headers)
+            self._post_json(prefill, endpoint, prefill_leg_body, prefill_headers)
         )
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
         relay = asyncio.ensure_future(
@@ -349,16 +356,17 @@ class Router:
                 task.cancel()  # closing a leg's connection makes vLLM abort it
             raise
         # The decode leg succeeded: let the prefill leg finish on its own.
-        prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, task))
+        prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, identity, task))
         return response
 
-    def _prefill_done(self, prefill: Instance, task: asyncio.Future) -> None:
+    def _prefill_done(self, prefill: Instance, named: dict[str, Any], task: asyncio.Future) -> None:
         if task.cancelled() or task.exception() is not None:
             return
         echo = identity_from_decode_params(task.result().get("kv_transfer_params") or {})
-        if echo and prefill.identity and echo["epoch"] != prefill.identity["epoch"]:
+        if echo and echo["epoch"] != named["epoch"]:
             log.info("kvpush router: %s restarted (new epoch); relearning", prefill.url)
-            prefill.identity = echo
+            prefill.forget()
+            prefill.learn(echo)
             self.metrics.inc("identity_relearned")
 
     async def _post_json(
@@ -376,7 +384,7 @@ class Router:
                 return json.loads(text)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.inc("leg_failures", leg=instance.role, why=_why(exc))
-            instance.identity = None  # it may come back as a new incarnation: ask again
+            instance.forget()  # it may come back as a new incarnation: ask again
             message = f"{instance.role} instance {instance.url} failed: {_describe(exc)}"
             raise LegError(502, message, instance=instance) from exc
 
@@ -447,25 +455,38 @@ class Router:
     # -- helpers ----------------------------------------------------------------------
 
     async def _learn_identity(self, instance: Instance) -> None:
+        """Ask the prefill instance's identity endpoint who it is; with data parallel,
+        DP rank d answers at the endpoint's port + d, and each rank is learnt."""
         assert instance.identity_url is not None
+        first = await self._fetch_identity(instance, instance.identity_url)
+        identities = [first]
+        url = urlsplit(instance.identity_url)
+        assert url.port is not None
+        for rank in range(1, int(first.get("dp_size", 1))):
+            other = url._replace(netloc=f"{url.hostname}:{url.port + rank}").geturl()
+            identities.append(await self._fetch_identity(instance, other))
+        instance.forget()
+        for identity in identities:
+            instance.learn(identity)
+
+    async def _fetch_identity(self, instance: Instance, url: str) -> dict[str, Any]:
         try:
-            async with self._http().get(instance.identity_url) as response:
+            async with self._http().get(url) as response:
                 answer = await response.json()
         except (aiohttp.ClientError, ValueError) as exc:
             raise LegError(
                 502,
-                f"prefill instance {instance.url} has no kvpush identity at "
-                f"{instance.identity_url} ({exc}): is it running KVPushConnector with "
-                "identity_port set?",
+                f"prefill instance {instance.url} has no kvpush identity at {url} ({exc}): "
+                "is it running KVPushConnector with identity_port set?",
             ) from exc
         if not answer.get("kvpush"):
-            raise LegError(502, f"{instance.identity_url} is not a kvpush identity endpoint")
+            raise LegError(502, f"{url} is not a kvpush identity endpoint")
         if answer["transfer_mode"] != self.config.mode:
             log.warning(
                 "kvpush router: %s is in %s mode, the router in %s mode",
                 instance.url, answer["transfer_mode"], self.config.mode,
             )  # fmt: skip
-        instance.identity = answer
+        return answer
 
     async def _healthy(self, instance: Instance) -> bool:
         try:

@@ -19,8 +19,27 @@ class Instance:
     role: str  # "prefill" | "decode"
     identity_url: str | None = None
     outstanding: int = 0
-    identity: dict[str, Any] | None = field(default=None, repr=False)
+    # Its kvpush identity by data-parallel rank (each DP rank is an engine of its own).
+    ranks: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     ejected_until: float = 0.0  # monotonic time; picked again only after it
+    _turn: int = 0
+
+    def learn(self, identity: dict[str, Any]) -> None:
+        self.ranks[int(identity.get("dp_rank", 0))] = identity
+
+    def forget(self) -> None:
+        """It may come back as a new incarnation: learn it afresh."""
+        self.ranks.clear()
+
+    def pick_rank(self) -> tuple[int | None, dict[str, Any]]:
+        """The DP rank the next prefill leg is pinned to (round robin over the ranks
+        learnt) and its identity; rank None when the instance is not data parallel,
+        so vLLM's own balancing may place the leg."""
+        ranks = sorted(self.ranks)
+        rank = ranks[self._turn % len(ranks)]
+        self._turn += 1
+        identity = self.ranks[rank]
+        return (rank if identity.get("dp_size", 1) > 1 else None), identity
 
     def available(self, now: float) -> bool:
         return now >= self.ejected_until

@@ -30,11 +30,18 @@ RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
 TIMEOUT_S = 3.0
 
 
-def mooncake_query(identity: dict[str, Any], dp_rank: int = 0) -> dict[str, Any]:
-    """This instance as Mooncake's bootstrap `GET /query` answers it."""
-    workers = {str(r): {"0": f"tcp://{a}"} for r, a in enumerate(identity["addresses"])}
-    return {str(dp_rank): {"engine_id": identity["engine_id"], "worker_addr": workers,
-                           "kvpush": identity}}  # fmt: skip
+def mooncake_query(identities: list[dict[str, Any]]) -> dict[str, Any]:
+    """This instance as Mooncake's bootstrap `GET /query` answers it: one entry per
+    data-parallel rank (each rank is its own engine, `<engine id>_dp<rank>`)."""
+    answer = {}
+    for identity in identities:
+        workers = {str(r): {"0": f"tcp://{a}"} for r, a in enumerate(identity["addresses"])}
+        answer[str(identity.get("dp_rank", 0))] = {
+            "engine_id": identity["engine_id"],
+            "worker_addr": workers,
+            "kvpush": identity,
+        }
+    return answer
 
 
 class LegError(Exception):

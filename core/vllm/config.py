@@ -34,11 +34,14 @@ class ConnectorConfig:
     mode: "push" (default) or "pull".
     host: address peers reach this instance's side channel on (default 127.0.0.1;
         use the host's routable address across machines).
-    port: side-channel port of TP rank 0; rank r listens on port + r (0: any free).
+    port: side-channel port of the first worker; TP rank r of DP rank d listens on
+        port + d * tp_size + r (0: any free).
     identity_port: where this instance serves GET /query, its kvpush identity for
-        routers (0: not served).
+        routers (0: not served); DP rank d serves its own on identity_port + d.
     bootstrap_port: where this instance serves Mooncake's bootstrap GET /query, for
         routers built for MooncakeConnector (0: not served; kvpush.vllm.bootstrap).
+        DP rank 0 serves it for every DP rank (with DP > 1 it asks the others at
+        their identity ports, so identity_port must be set too).
     secret: shared secret for message authentication (default $KVPUSH_SECRET).
     layerwise: push each layer's KV as soon as it is computed (default true).
     idle_wait_s: longest an engine step that has nothing to compute but transfers to
@@ -147,3 +150,9 @@ def load_secret(configured: str | bytes | None = None, required: bool = False) -
             ENV_SECRET,
         )
     return b""
+
+
+def rank_port(base: int, offset: int) -> int:
+    """The port of the engine part `offset` places after the first: base + offset, or
+    0 (any free port) when no base is configured."""
+    return base + offset if base else 0

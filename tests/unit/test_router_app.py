@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvpush.demo.cluster import free_port
 from kvpush.router.app import Router, RouterConfig
 from kvpush.router.instances import Instance
 
@@ -243,5 +244,77 @@ def test_a_client_leaving_mid_stream_is_not_a_decode_failure():
         metrics = router.metrics.prometheus(prefix="kvpush_")
         assert 'leg="decode"' not in metrics
         await _close(runner, [prefill, decode])
+
+    run(scenario())
+
+
+def _dp_identity(rank: int) -> dict:
+    return {"kvpush": True, "engine_id": f"prefill_dp{rank}", "epoch": f"boot{rank}",
+            "transfer_mode": "push", "addresses": [f"127.0.0.1:{7000 + rank}"], "tp_size": 1,
+            "dp_rank": rank, "dp_size": 2}  # fmt: skip
+
+
+def test_a_data_parallel_prefill_has_each_leg_pinned_to_the_rank_its_decode_leg_names():
+    async def scenario():
+        # DP rank d of the prefill instance answers GET /query at identity_port + d.
+        base = free_port()
+        while True:
+            runners = []
+            try:
+                for rank in range(2):
+                    app = web.Application()
+                    app.router.add_get(
+                        "/query", lambda _, r=rank: web.json_response(_dp_identity(r))
+                    )
+                    runner = web.AppRunner(app)
+                    await runner.setup()
+                    await web.TCPSite(runner, "127.0.0.1", base + rank).start()
+                    runners.append(runner)
+                break
+            except OSError:  # base + 1 was taken: try elsewhere
+                for runner in runners:
+                    await runner.cleanup()
+                base = free_port()
+
+        async def prefill_answer(request: web.Request, body: dict) -> web.Response:
+            rank = int(request.headers["X-data-parallel-rank"])
+            params = {
+                **ECHO,
+                "remote_engine_id": f"prefill_dp{rank}",
+                "remote_epoch": f"boot{rank}",
+                "remote_dp_rank": rank,
+                "remote_dp_size": 2,
+                "transfer_id": body["kv_transfer_params"]["transfer_id"],
+            }
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+        prefill, decode = Fake(prefill_answer), Fake(decode_ok)
+        for fake in (prefill, decode):
+            await fake.start()
+        identity_url = f"http://127.0.0.1:{base}/query"
+        pools = [Instance(prefill.url, "prefill", identity_url)], [Instance(decode.url, "decode")]
+        router = Router(RouterConfig(*pools, health_interval_s=0))
+        runner = web.AppRunner(router.app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(4):
+                body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+                async with http.post(url + "/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+        await asyncio.sleep(0.05)  # the prefill legs finish on their own
+        pinned = [int(h["X-data-parallel-rank"]) for h in prefill.headers]
+        named = [b["kv_transfer_params"]["remote_engine_id"] for b in decode.bodies]
+        assert sorted(pinned) == [0, 0, 1, 1]
+        # Each decode leg names the engine of the rank its prefill leg was pinned to.
+        by_transfer = {b["kv_transfer_params"]["transfer_id"]: r
+                       for b, r in zip(prefill.bodies, pinned, strict=True)}  # fmt: skip
+        for body, engine in zip(decode.bodies, named, strict=True):
+            assert engine == f"prefill_dp{by_transfer[body['kv_transfer_params']['transfer_id']]}"
+        assert router.metrics.counter("identity_relearned") == 0
+        await _close(runner, [prefill, decode])
+        for identity_runner in runners:
+            await identity_runner.cleanup()
 
     run(scenario())
