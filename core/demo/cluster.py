@@ -22,8 +22,9 @@ from kvpush.errors import KVPushError
 from kvpush.vllm.config import ENV_SECRET, KV_ROLES
 
 
-def free_port() -> int:
-    """A port free now that no process will be handed by the kernel meanwhile.
+def free_port(span: int = 1) -> int:
+    """A port free now that no process will be handed by the kernel meanwhile (with
+    `span` > 1, the first of that many free ports in a row).
 
     Servers bind their ports a minute after they are chosen; a port from the
     kernel's ephemeral range can be given to someone else's connection or port-0
@@ -32,17 +33,22 @@ def free_port() -> int:
     """
     low, _ = _ephemeral_range()
     for _ in range(1000):
-        port = random.randrange(max(1024, low - 12000), low)
-        if port in _handed_out:
+        first = random.randrange(max(1024, low - 12000), low - span)
+        ports = range(first, first + span)
+        if any(port in _handed_out or not _bindable(port) for port in ports):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
+        _handed_out.update(ports)
+        return first
     raise KVPushError("no free port below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 _handed_out: set[int] = set()
@@ -90,18 +96,22 @@ class Cluster:
         mode: str = "push",
         policy: str = "fail",
         model: Path | None = None,
+        dp: int = 1,
         **extra: Any,
     ) -> VllmServer:
-        """Configure (not start) a server; role None means a plain vLLM without kvpush."""
+        """Configure (not start) a server; role None means a plain vLLM without kvpush.
+        `dp` > 1: that many data-parallel ranks, rank d's identity at identity port + d."""
         transfer = None
         if role is not None:
-            self.identity_ports[name] = free_port()
+            self.identity_ports[name] = free_port(span=dp)
             extra.setdefault("identity_port", self.identity_ports[name])
             transfer = kvpush_transfer_config(role, mode, policy, **extra)
         spec = ServerSpec(
             name, model or self.model, free_port(), transfer, core=core,
             env={ENV_SECRET: self.secret},
         )  # fmt: skip
+        if dp > 1:
+            spec.extra_args += ["--data-parallel-size", str(dp)]
         server = self.servers[name] = VllmServer(spec, self.workdir)
         return server
 
@@ -123,8 +133,8 @@ class Cluster:
         port = self.identity_ports.get(name)
         return f"{server.url},bootstrap={port}" if port else server.url
 
-    def identity_url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.identity_ports[name]}"
+    def identity_url(self, name: str, dp_rank: int = 0) -> str:
+        return f"http://127.0.0.1:{self.identity_ports[name] + dp_rank}"
 
     def start_router(
         self,

@@ -57,3 +57,29 @@ def test_one_prefill_instance_and_two_decode(cluster, client):
     finally:
         cluster.stop_router("1p2d")
         cluster.servers.pop("decode2").stop()
+
+
+def test_a_data_parallel_prefill_instance_serves_from_each_rank(cluster, client):
+    """--data-parallel-size 2: two engines behind one API server, each with its own
+    identity and side channels; the router pins each prefill leg to the rank whose
+    engine its decode leg names, so every prompt's KV arrives (none recomputed)."""
+    cluster.add_server("prefill_dp", "kv_producer", core=0, dp=2, **PREFILL_TIMERS)
+    decode = cluster.servers["decode"].url
+    recomputed = "vllm:kvpush_local_recomputes_total"
+    try:
+        cluster.start("prefill_dp")
+        ranks = [client.state(cluster.identity_url("prefill_dp", d)) for d in range(2)]
+        assert all(r == {"sending": 0, "producing": 0, "receiving": 0} for r in ranks), ranks
+        router = cluster.start_router(["prefill_dp"], ["decode"], name="dp2")
+        before = client.metric(decode, recomputed)
+        counters = {"decode": "vllm:kvpush_delivered_total"}
+        _spread(client, cluster, router, counters, seed=3200)
+        assert client.metric(decode, recomputed) == before
+        for d in range(2):
+            url = cluster.identity_url("prefill_dp", d)
+            assert client.wait_drained(url) == {"sending": 0, "producing": 0, "receiving": 0}
+            traces = client.http.get(url + "/kvpush/trace?last=100").json()
+            assert traces, f"DP rank {d} computed no prompt"
+    finally:
+        cluster.stop_router("dp2")
+        cluster.servers.pop("prefill_dp").stop()

@@ -101,7 +101,17 @@ class _Recorder:
         pass
 
 
-class _ProducerPorts:
+class _Ports:
+    """What neither simulated engine tracks: fences and expected blocks."""
+
+    def drop_expected(self, transfer_id: str) -> None:
+        pass
+
+    def drop_fences(self, transfer_id: str) -> None:
+        pass
+
+
+class _ProducerPorts(_Ports):
     """The prefill engine's links and data path: the network queue and its ledger."""
 
     def __init__(self, sim: Sim) -> None:
@@ -134,12 +144,6 @@ class _ProducerPorts:
         self.sim.errors.append(f"the producer was delivered {transfer_id}")
         return 0
 
-    def drop_expected(self, transfer_id: str) -> None:
-        pass
-
-    def drop_fences(self, transfer_id: str) -> None:
-        pass
-
     def publish(self, outcome: Outcome) -> None:
         sim, tid = self.sim, outcome.transfer_id
         if outcome.kind != "released":
@@ -153,7 +157,7 @@ class _ProducerPorts:
         sim.p_ledger.release(tid)
 
 
-class _ConsumerPorts:
+class _ConsumerPorts(_Ports):
     """A decode engine's links and data path: the network, its ledger and memory."""
 
     def __init__(self, sim: Sim, side: ConsumerSide) -> None:
@@ -179,12 +183,6 @@ class _ConsumerPorts:
 
     def landed(self, transfer_id: str) -> int:
         return 0
-
-    def drop_expected(self, transfer_id: str) -> None:
-        pass
-
-    def drop_fences(self, transfer_id: str) -> None:
-        pass
 
     def publish(self, outcome: Outcome) -> None:
         sim, side, tid = self.sim, self.side, outcome.transfer_id
