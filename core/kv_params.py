@@ -20,7 +20,7 @@ def decode_params(transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
         "remote_addresses": list(identity["addresses"]),
         "tp_size": identity["tp_size"],
         "remote_dp_rank": identity.get("dp_rank", 0),
-        "remote_dp_size": identity.get("dp_size", 1),
+        "remote_data_parallel": bool(identity.get("data_parallel", False)),
     }
 
 
@@ -35,7 +35,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> dict[str, Any] | None
             "addresses": list(params["remote_addresses"]),
             "tp_size": params["tp_size"],
             "dp_rank": int(params.get("remote_dp_rank", 0)),
-            "dp_size": int(params.get("remote_dp_size", 1)),
+            "data_parallel": bool(params.get("remote_data_parallel", False)),
         }
     except (KeyError, TypeError, ValueError):
         return None

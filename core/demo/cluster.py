@@ -112,6 +112,8 @@ class Cluster:
         )  # fmt: skip
         if dp > 1:
             spec.extra_args += ["--data-parallel-size", str(dp)]
+            if core is not None:  # vLLM wants one CPU list per DP rank, "|" between
+                spec.core = "|".join([str(core)] * dp)
         server = self.servers[name] = VllmServer(spec, self.workdir)
         return server
 

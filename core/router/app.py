@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # vLLM's API server places a request on this data-parallel rank (its engine client).
 DP_RANK_HEADER = "X-data-parallel-rank"
+MAX_DP_RANKS = 256
 
 
 # Per-request state kept on the aiohttp request (typed keys where aiohttp has them).
@@ -455,16 +456,23 @@ class Router:
     # -- helpers ----------------------------------------------------------------------
 
     async def _learn_identity(self, instance: Instance) -> None:
-        """Ask the prefill instance's identity endpoint who it is; with data parallel,
-        DP rank d answers at the endpoint's port + d, and each rank is learnt."""
+        """Ask the prefill instance's identity endpoint who it is. With data parallel
+        DP rank d answers at the endpoint's port + d (engine `<base>_dp<d>`): learn
+        each rank, up to the first port that is not one."""
         assert instance.identity_url is not None
         first = await self._fetch_identity(instance, instance.identity_url)
         identities = [first]
         url = urlsplit(instance.identity_url)
-        assert url.port is not None
-        for rank in range(1, int(first.get("dp_size", 1))):
-            other = url._replace(netloc=f"{url.hostname}:{url.port + rank}").geturl()
-            identities.append(await self._fetch_identity(instance, other))
+        base = str(first["engine_id"]).removesuffix("_dp0")
+        for rank in range(1, MAX_DP_RANKS if first.get("data_parallel") else 1):
+            other = url._replace(netloc=f"{url.hostname}:{(url.port or 0) + rank}").geturl()
+            try:
+                identity = await self._fetch_identity(instance, other)
+            except LegError:
+                break
+            if identity["engine_id"] != f"{base}_dp{rank}":
+                break
+            identities.append(identity)
         instance.forget()
         for identity in identities:
             instance.learn(identity)

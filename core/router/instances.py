@@ -39,7 +39,7 @@ class Instance:
         rank = ranks[self._turn % len(ranks)]
         self._turn += 1
         identity = self.ranks[rank]
-        return (rank if identity.get("dp_size", 1) > 1 else None), identity
+        return (rank if identity.get("data_parallel") else None), identity
 
     def available(self, now: float) -> bool:
         return now >= self.ejected_until

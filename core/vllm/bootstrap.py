@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,3 +159,22 @@ def fetch_query(address: str) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise ValueError(f"/query answered {type(answer).__name__}, not an object")
     return answer
+
+
+def dp_siblings(identity_url: str, engine_id: str, most: int = 256) -> list[dict[str, Any]]:
+    """The identities of DP ranks 1, 2, ... of the instance whose DP rank 0 answers at
+    `identity_url` (as engine `engine_id`): each at the next port, until a port does
+    not answer with a sibling (vLLM names DP rank d's engine `<base>_dp<d>`)."""
+    parts = urllib.parse.urlsplit(identity_url)
+    base = engine_id.removesuffix("_dp0")
+    found = []
+    for rank in range(1, most):
+        url = parts._replace(netloc=f"{parts.hostname}:{(parts.port or 0) + rank}").geturl()
+        try:
+            identity = fetch_query(url)
+        except (OSError, ValueError):
+            break
+        if identity.get("engine_id") != f"{base}_dp{rank}":
+            break
+        found.append(identity)
+    return found

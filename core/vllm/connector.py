@@ -52,7 +52,13 @@ class KVPushConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         engine_id = str(transfer.engine_id)
-        world = vllm_config.parallel_config.tensor_parallel_size
+        parallel = vllm_config.parallel_config
+        world = parallel.tensor_parallel_size
+        # vLLM runs each DP rank of a dense model as an independent engine told it is
+        # DP rank 0 of 1; data_parallel_index keeps the real rank, and the engine id
+        # its "_dp<rank>" suffix.
+        dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        data_parallel = parallel.data_parallel_size > 1 or engine_id.endswith(f"_dp{dp_rank}")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -65,8 +71,8 @@ class KVPushConnector(KVConnectorBase_V1):
                 prefix_caching=bool(cache.enable_prefix_caching),
                 consumer_only=transfer.kv_role == "kv_consumer",
                 recompute_on_failure=transfer.kv_load_failure_policy == "recompute",
-                dp_rank=vllm_config.parallel_config.data_parallel_rank,
-                dp_size=vllm_config.parallel_config.data_parallel_size,
+                dp_rank=dp_rank,
+                data_parallel=data_parallel,
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -83,7 +89,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 world=world,
                 device_type=current_platform.device_type,
                 local_rank=get_world_group().local_rank,
-                dp_rank=vllm_config.parallel_config.data_parallel_rank,
+                dp_rank=dp_rank,
             )
 
     # -- scheduler side ----------------------------------------------------------------

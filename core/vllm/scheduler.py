@@ -27,7 +27,7 @@ from typing import Any
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.kv_params import decode_params
 from kvpush.protocol.messages import check_transfer_id
-from kvpush.vllm.bootstrap import BootstrapResolver, LegError, fetch_query, mooncake_query
+from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, rank_port
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
@@ -65,7 +65,7 @@ class SchedulerSide:
         consumer_only: bool = False,
         recompute_on_failure: bool = False,
         dp_rank: int = 0,
-        dp_size: int = 1,
+        data_parallel: bool = False,
         bootstrap: BootstrapResolver | None = None,
     ) -> None:
         self.config = config
@@ -76,10 +76,12 @@ class SchedulerSide:
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
         self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
         self.recomputes: Counter[str] = Counter()  # reason -> decode prompts computed here
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        if dp_size > 1 and config.bootstrap_port and not config.identity_port:
+        # One of several DP ranks (vLLM runs each as an engine of its own): its ports
+        # are offset by the rank, and DP rank 0 speaks for all in the bootstrap answer.
+        self.dp_rank, self.data_parallel = dp_rank, data_parallel
+        if data_parallel and config.bootstrap_port and not config.identity_port:
             raise ConfigError(
-                "bootstrap_port with data parallel size > 1 needs identity_port too: DP "
+                "bootstrap_port with --data-parallel-size > 1 needs identity_port too: DP "
                 "rank 0's bootstrap server asks every other rank at identity_port + rank"
             )
         self.bootstrap = bootstrap or BootstrapResolver()
@@ -135,7 +137,7 @@ class SchedulerSide:
             "transfer_mode": self.config.protocol.mode,
             "tp_size": self.world,
             "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
+            "data_parallel": self.data_parallel,
             "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
             "ranks": [
                 {"rank": r, "address": h.address, "epoch": h.epoch, "agent": h.agent}
@@ -145,17 +147,14 @@ class SchedulerSide:
         }
 
     def _dp_identities(self) -> list[dict[str, Any]]:
-        """Every DP rank's identity that can be had now: ours, and each other rank's
-        from its identity endpoint (a rank that does not answer is left out)."""
+        """Every DP rank's identity: ours, then DP rank 1, 2, ... from their identity
+        endpoints until one does not answer (vLLM tells an engine its own DP rank, not
+        how many there are)."""
         identities = [self.identity()]
-        for rank in range(1, self.dp_size):
-            port = rank_port(self.config.identity_port, rank)
-            try:
-                identities.append(fetch_query(f"http://{self.config.host}:{port}"))
-            except Exception as exc:  # starting, or gone: the others still answer
-                why = f"DP rank {rank} left out of the bootstrap answer (port {port}): {exc}"
-                self._once(f"dp{rank}", logging.WARNING, why)
-        return identities
+        if not self.data_parallel:
+            return identities
+        url = f"http://{self.config.host}:{self.config.identity_port}"
+        return identities + dp_siblings(url, self.engine_id)
 
     def state(self) -> dict[str, Any]:
         """Counts a leak check reads after a run: all zero when nothing is in flight."""

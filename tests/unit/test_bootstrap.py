@@ -55,7 +55,7 @@ def test_the_bootstrap_query_has_mooncakes_shape_with_the_kvpush_identity_inside
 
 def test_with_data_parallel_each_rank_is_an_entry_and_a_decode_leg_finds_its_rank():
     ranks = [
-        {**IDENTITY, "engine_id": f"engine-p_dp{r}", "dp_rank": r, "dp_size": 2,
+        {**IDENTITY, "engine_id": f"engine-p_dp{r}", "dp_rank": r, "data_parallel": True,
          "addresses": [f"10.0.0.5:{7100 + 2 * r}", f"10.0.0.5:{7101 + 2 * r}"]}
         for r in range(2)
     ]  # fmt: skip
@@ -206,7 +206,12 @@ def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_a
     extra = {"identity_port": identity_port, "bootstrap_port": bootstrap_port}
     ranks = [
         SchedulerSide(
-            ConnectorConfig.from_extra(extra), f"engine-p_dp{r}", 128, 1, dp_rank=r, dp_size=2
+            ConnectorConfig.from_extra(extra),
+            f"engine-p_dp{r}",
+            128,
+            1,
+            dp_rank=r,
+            data_parallel=True,
         )
         for r in range(2)
     ]
@@ -215,7 +220,7 @@ def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_a
             side.set_handshakes({0: KVPushHandshake(0, 1, f"10.0.0.5:{7100 + r}", f"b{r}", "a")})
         assert ranks[1].bootstrap_server is None  # one bootstrap server per instance
         second = fetch_query(f"http://127.0.0.1:{identity_port + 1}")
-        assert (second["engine_id"], second["dp_rank"], second["dp_size"]) == ("engine-p_dp1", 1, 2)
+        assert (second["engine_id"], second["dp_rank"]) == ("engine-p_dp1", 1)
         answer = fetch_query(f"http://127.0.0.1:{bootstrap_port}")
         assert {k: v["engine_id"] for k, v in answer.items()} == {
             "0": "engine-p_dp0",
@@ -230,4 +235,4 @@ def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_a
 def test_a_dp_bootstrap_without_identity_ports_is_refused_at_start():
     config = ConnectorConfig.from_extra({"bootstrap_port": free_port()})
     with pytest.raises(ConfigError, match="needs identity_port"):
-        SchedulerSide(config, "engine-p_dp0", 128, 1, dp_rank=0, dp_size=2)
+        SchedulerSide(config, "engine-p_dp0", 128, 1, dp_rank=0, data_parallel=True)

@@ -251,7 +251,7 @@ def test_a_client_leaving_mid_stream_is_not_a_decode_failure():
 def _dp_identity(rank: int) -> dict:
     return {"kvpush": True, "engine_id": f"prefill_dp{rank}", "epoch": f"boot{rank}",
             "transfer_mode": "push", "addresses": [f"127.0.0.1:{7000 + rank}"], "tp_size": 1,
-            "dp_rank": rank, "dp_size": 2}  # fmt: skip
+            "dp_rank": rank, "data_parallel": True}  # fmt: skip
 
 
 def test_a_data_parallel_prefill_has_each_leg_pinned_to_the_rank_its_decode_leg_names():
@@ -283,7 +283,7 @@ def test_a_data_parallel_prefill_has_each_leg_pinned_to_the_rank_its_decode_leg_
                 "remote_engine_id": f"prefill_dp{rank}",
                 "remote_epoch": f"boot{rank}",
                 "remote_dp_rank": rank,
-                "remote_dp_size": 2,
+                "remote_data_parallel": True,
                 "transfer_id": body["kv_transfer_params"]["transfer_id"],
             }
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
