@@ -28,11 +28,15 @@ from kvpush.protocol.config import ProtocolConfig
 
 GATE = threading.Event()
 GATE.set()
+AT_GATE = threading.Event()  # set while a fence wait is held at the gate
 
 
 class GatedTensor(example.ExampleTensor):
     def synchronize(self) -> None:
+        if not GATE.is_set():
+            AT_GATE.set()
         GATE.wait()
+        AT_GATE.clear()
         super().synchronize()
 
 
@@ -189,6 +193,10 @@ class NodePeer:
     def hold_fence(self) -> dict:
         GATE.clear()
         return {}
+
+    def wait_at_fence(self, seconds: float = 10.0) -> dict:
+        """Wait until a fence wait is held at the gate (the loop thread is stuck)."""
+        return {"held": AT_GATE.wait(seconds)}
 
     def release_fence(self) -> dict:
         GATE.set()

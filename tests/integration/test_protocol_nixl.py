@@ -185,7 +185,7 @@ def test_consumer_abort_mid_transfer_holds_blocks_until_settled(spawn):
     _registered(producer)
     producer.call("hold_fence")
     producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x77)  # stuck at the fence
-    time.sleep(0.2)
+    assert producer.call("wait_at_fence")["held"]
     consumer.call("abort", tid="t1")
     early = consumer.call("results", count=1, seconds=1.0)["outcomes"]
     assert early == []  # the blocks stay held while the WRITE may still come
