@@ -205,25 +205,17 @@ class Consumer:
 
     def on_handshake_failed(self, peer: str, reason: str, now: float) -> list[Action]:
         """The session to `peer` could not be set up; nothing was claimed there."""
-        self._peers.pop(peer, None)
-        self._held_cancels.pop(peer, None)
         actions: list[Action] = []
-        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            if transfer.state == State.ANNOUNCED:
-                self._forget(transfer)
-            elif transfer.state == State.CONNECTING:
+        for transfer in self._drop_peer(peer):
+            if transfer.state == State.CONNECTING:
                 actions += self._fail(transfer, "handshake_failed", reason)
         return actions
 
     def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
         """The side channel to the producer closed (it died, or the network did)."""
-        self._peers.pop(peer, None)
-        self._held_cancels.pop(peer, None)
         actions: list[Action] = []
-        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
-            if transfer.state == State.ANNOUNCED:
-                self._forget(transfer)
-            elif transfer.state in (State.CONNECTING, State.REQUESTED, State.LANDING):
+        for transfer in self._drop_peer(peer):
+            if transfer.state in (State.CONNECTING, State.REQUESTED, State.LANDING):
                 actions += self._fail(transfer, "peer_lost", reason)
             elif transfer.state == State.READING:
                 transfer.cancel_reason = transfer.cancel_reason or "peer_lost"
@@ -240,6 +232,19 @@ class Consumer:
                 )
                 self._deadlines.set(("settle", transfer.transfer_id), settle)
         return actions
+
+    def _drop_peer(self, peer: str) -> list[_Transfer]:
+        """Forget the session to `peer` and the transfers only announced to it; the
+        others bound to it, for the caller to end as its event says."""
+        self._peers.pop(peer, None)
+        self._held_cancels.pop(peer, None)
+        bound = []
+        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
+            if transfer.state == State.ANNOUNCED:
+                self._forget(transfer)
+            else:
+                bound.append(transfer)
+        return bound
 
     def on_message(self, peer: str, message: Message, now: float) -> list[Action]:
         transfer_id = getattr(message, "transfer_id", None)
