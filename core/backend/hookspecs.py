@@ -23,7 +23,8 @@ forward pass. nixl_backends and bind_thread run on the Node's loop thread, the o
 that owns NIXL, as it starts; wait_fence and stage_blocks on the loop thread before
 each WRITE (or READ, or after KV lands). So a fence is made on one thread and waited
 on another. release runs on the thread that closes the Node, after the loop thread
-has stopped and NIXL has let go of the memory.
+has stopped and NIXL has let go of the memory (on a Node that fails to start, on
+its loop thread, once the agent it made is closed).
 """
 
 from __future__ import annotations

@@ -70,12 +70,19 @@ class Client:
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self.http = httpx.Client(timeout=timeout, limits=limits)
 
-    def complete(self, url: str, tokens: list[int], max_tokens: int = 12, **extra: Any) -> dict:
+    def complete(
+        self,
+        url: str,
+        tokens: list[int],
+        max_tokens: int = 12,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> dict:
         body = {
             "model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, **extra,
         }  # fmt: skip
-        return self.http.post(url + "/v1/completions", json=body)
+        return self.http.post(url + "/v1/completions", json=body, headers=headers)
 
     def tokens(self, url: str, tokens: list[int], max_tokens: int = 12) -> list[int]:
         response = self.complete(url, tokens, max_tokens)

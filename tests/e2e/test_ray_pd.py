@@ -74,21 +74,26 @@ def _llm_config(
     }  # fmt: skip
 
 
-def _deploy(prefill_model, decode_model, mode: str, prefills: int = 1) -> dict[str, str]:
+def _deploy(
+    prefill_model, decode_model, mode: str, prefills: int = 1, decodes: int = 1
+) -> dict[str, str]:
     """The P/D application, serving: each instance's identity URL (prefill replicas
-    are prefill0, prefill1, ...)."""
-    prefill_port, decode_port = free_port(), free_port()
+    are prefill0, prefill1, ...; a second decode replica is decode1)."""
+    prefill_port, decode_port = free_port(span=prefills), free_port(span=decodes)
     app = build_pd_openai_app({
         "prefill_config": _llm_config(prefill_model, "kv_producer", mode, 0, prefill_port,
                                       prefills),
-        "decode_config": _llm_config(decode_model, "kv_consumer", mode, 1, decode_port),
+        "decode_config": _llm_config(decode_model, "kv_consumer", mode, 1, decode_port,
+                                     decodes),
     })  # fmt: skip
     serve.run(app, name="pd", route_prefix="/")
     # kvpush's backend binds kvpush on the node's address; without it, loopback.
     registered = KVConnectorBackendFactory.is_registered(kvpush.ray_serve.CONNECTOR)
     host = ray.util.get_node_ip_address() if registered else "127.0.0.1"
     identities = {f"prefill{r}": f"http://{host}:{prefill_port + r}" for r in range(prefills)}
-    return {**identities, "decode": f"http://{host}:{decode_port}"}
+    decoders = {"decode" + (str(r) if r else ""): f"http://{host}:{decode_port + r}"
+                for r in range(decodes)}  # fmt: skip
+    return {**identities, **decoders}
 
 
 def _answers(client: Client, url: str) -> list[list[int]]:
@@ -155,6 +160,26 @@ def test_ray_pd_two_prefill_replicas_share_the_load(cluster, ray_cluster, client
         _, prefilled = _traces(client, identities)
         served = {trace["replica"] for trace in prefilled.values()}
         assert served == {"prefill0", "prefill1"}, f"only {served} computed any prompt"
+    finally:
+        serve.delete("pd")
+
+
+def test_ray_pd_two_decode_replicas_each_receive_kv(cluster, ray_cluster, client):
+    single = cluster.servers["single"].url
+    prompts = [prompt(150 + 50 * i, 3500 + i) for i in range(8)]
+    expected = [client.tokens(single, p) for p in prompts]
+    url, identities = ray_cluster, _deploy(cluster.model, cluster.model, "push", decodes=2)
+    try:
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: client.tokens(url, p), prompts))
+        assert got == expected
+        _drained(client, identities)
+        _, prefilled = _traces(client, identities)
+        for name in ("decode", "decode1"):
+            decoded = client.http.get(identities[name] + "/kvpush/trace").json()
+            assert decoded, f"{name} decoded no request"
+            # Each of its requests took a transfer prefill computed: the KV moved.
+            assert all(t["transfer_id"] in prefilled for t in decoded), name
     finally:
         serve.delete("pd")
 

@@ -10,6 +10,8 @@ import time
 import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
 
+from kvpush.demo.cluster import free_port
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
@@ -64,7 +66,10 @@ def test_a_data_parallel_prefill_instance_serves_from_each_rank(cluster, client)
     """--data-parallel-size 2: two engines behind one API server, each with its own
     identity and side channels; the router pins each prefill leg to the rank whose
     engine its decode leg names, so every prompt's KV arrives (none recomputed)."""
-    cluster.add_server("prefill_dp", "kv_producer", core=0, dp=2, **PREFILL_TIMERS)
+    bootstrap_port = free_port()
+    cluster.add_server(
+        "prefill_dp", "kv_producer", core=0, dp=2, bootstrap_port=bootstrap_port, **PREFILL_TIMERS
+    )
     decode = cluster.servers["decode"].url
     recomputed = "vllm:kvpush_local_recomputes_total"
     try:
@@ -89,6 +94,7 @@ def test_a_data_parallel_prefill_instance_serves_from_each_rank(cluster, client)
         # Every prompt's KV crossed from the rank its decode leg named: none recomputed.
         assert client.metric(decode, recomputed) == before[recomputed]
         assert client.metric(decode, delivered) - before[delivered] == 8 + 4
+        _mooncake_leg_to_dp_rank_1(client, cluster, f"http://127.0.0.1:{bootstrap_port}")
         for d in range(2):
             url = cluster.identity_url("prefill_dp", d)
             assert client.wait_drained(url) == {"sending": 0, "producing": 0, "receiving": 0}
@@ -97,3 +103,34 @@ def test_a_data_parallel_prefill_instance_serves_from_each_rank(cluster, client)
     finally:
         cluster.stop_router("dp2")
         cluster.servers.pop("prefill_dp").stop()
+
+
+def _mooncake_leg_to_dp_rank_1(client: Client, cluster, bootstrap: str) -> None:
+    """A Mooncake-mode router: DP rank 0's bootstrap answers for both ranks, and both
+    legs at once — prefill pinned to rank 1, decode naming rank 1's engine and only
+    the bootstrap server — move rank 1's KV."""
+    entries = client.http.get(bootstrap + "/query").json()
+    assert sorted(entries) == ["0", "1"], entries
+    for d in range(2):
+        identity = client.http.get(cluster.identity_url("prefill_dp", d) + "/query").json()
+        assert entries[str(d)]["engine_id"] == identity["engine_id"]
+        assert entries[str(d)]["engine_id"].endswith(f"_dp{d}")
+    prefill, decode = cluster.servers["prefill_dp"].url, cluster.servers["decode"].url
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    tokens = prompt(460, 3600)
+    transfer = {"transfer_id": "xfer-dp-mooncake"}
+    prefill_leg = {**transfer, "do_remote_decode": True, "do_remote_prefill": False}
+    decode_leg = {**transfer, "do_remote_decode": False, "do_remote_prefill": True,
+                  "remote_engine_id": entries["1"]["engine_id"],
+                  "remote_bootstrap_addr": bootstrap}  # fmt: skip
+    with cf.ThreadPoolExecutor(2) as pool:
+        pin = {"X-data-parallel-rank": "1"}
+        first = pool.submit(
+            client.complete, prefill, tokens, 1, pin, kv_transfer_params=prefill_leg
+        )
+        second = pool.submit(client.complete, decode, tokens, 12, kv_transfer_params=decode_leg)
+        answers = first.result(), second.result()
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    got = answers[1].json()["choices"][0]["token_ids"]
+    assert got == client.tokens(cluster.servers["single"].url, tokens)
+    assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + 1
