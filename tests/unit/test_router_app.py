@@ -254,6 +254,13 @@ def _dp_identity(rank: int) -> dict:
             "dp_rank": rank, "data_parallel": True}  # fmt: skip
 
 
+def _identity_handler(identity: dict):
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response(identity)
+
+    return handle
+
+
 def test_a_data_parallel_prefill_has_each_leg_pinned_to_the_rank_its_decode_leg_names():
     async def scenario():
         # DP rank d of the prefill instance answers GET /query at identity_port + d.
@@ -263,9 +270,7 @@ def test_a_data_parallel_prefill_has_each_leg_pinned_to_the_rank_its_decode_leg_
             try:
                 for rank in range(2):
                     app = web.Application()
-                    app.router.add_get(
-                        "/query", lambda _, r=rank: web.json_response(_dp_identity(r))
-                    )
+                    app.router.add_get("/query", _identity_handler(_dp_identity(rank)))
                     runner = web.AppRunner(app)
                     await runner.setup()
                     await web.TCPSite(runner, "127.0.0.1", base + rank).start()
