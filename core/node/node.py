@@ -68,7 +68,12 @@ class NodeConfig:
 
 
 class Node:
-    """One worker rank's kvpush: producer, consumer, or both."""
+    """One worker rank's kvpush: producer, consumer, or both.
+
+    `clock` (monotonic seconds: the machines' deadlines, which the Loop's timers
+    wait for, so it must run with time.monotonic) and `wall` (time.time, for
+    latencies measured across processes) are every clock the Node and its parts read.
+    """
 
     def __init__(
         self,
