@@ -34,37 +34,3 @@ def test_preempted_decode_requests_still_answer_as_a_plain_instance(cluster, cra
     for name in ("small_prefill", "small_decode"):
         state = client.wait_drained(cluster.identity_url(name))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
-
-
-def test_a_prefill_leg_preempted_between_chunks_answers_as_a_plain_instance(cluster, client):
-    """Prefill's side: long prompts prefilled side by side in 256-token chunks on a
-    12-block cache run out of blocks mid-prompt, and vLLM preempts the newest running
-    leg (its blocks freed, the prompt recomputed later). Each transfer's KV is still
-    pushed once, from the blocks that hold it when its last chunk is computed."""
-    prefill, decode = "chunky_prefill", "chunky_decode"
-    cluster.add_server(prefill, "kv_producer", core=0, **PREFILL_TIMERS)
-    cluster.add_server(decode, "kv_consumer", core=1, **PREFILL_TIMERS)
-    spec = cluster.servers[prefill].spec
-    spec.max_model_len = 1408  # what 12 blocks hold, one being vLLM's null block
-    spec.extra_args = ["--num-gpu-blocks-override", "12", "--max-num-batched-tokens", "512",
-                       "--long-prefill-token-threshold", "256"]  # fmt: skip
-    single = cluster.servers["single"].url
-    prompts = [prompt(1100, 1800 + i) for i in range(3)]  # 9 blocks each, 12 in all
-    expected = [client.tokens(single, p) for p in prompts]
-    try:
-        cluster.start(prefill, decode)
-        router = cluster.start_router([prefill], [decode], name="chunky")
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: client.tokens(router, p), prompts))
-        url = cluster.servers[prefill].url
-        assert client.metric(url, "vllm:num_preemptions_total") > 0, "nothing was preempted"
-        assert got == expected
-        decoded = cluster.servers[decode].url
-        assert client.metric(decoded, "vllm:kvpush_delivered_total") == len(prompts)
-        for name in (prefill, decode):
-            state = client.wait_drained(cluster.identity_url(name))
-            assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
-    finally:
-        cluster.stop_router("chunky")
-        for name in (prefill, decode):
-            cluster.servers.pop(name).stop()
