@@ -16,7 +16,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -30,12 +29,12 @@ from kvpush.router.legs import (
     openai_error,
     prefill_leg,
 )
+from kvpush.vllm.bootstrap import dp_siblings
 
 log = logging.getLogger(__name__)
 
 # vLLM's API server places a request on this data-parallel rank (its engine client).
 DP_RANK_HEADER = "X-data-parallel-rank"
-MAX_DP_RANKS = 256
 
 
 # Per-request state kept on the aiohttp request (typed keys where aiohttp has them).
@@ -461,20 +460,10 @@ class Router:
         each rank, up to the first port that is not one."""
         assert instance.identity_url is not None
         first = await self._fetch_identity(instance, instance.identity_url)
-        identities = [first]
-        url = urlsplit(instance.identity_url)
-        base = str(first["engine_id"]).removesuffix("_dp0")
-        for rank in range(1, MAX_DP_RANKS if first.get("data_parallel") else 1):
-            other = url._replace(netloc=f"{url.hostname}:{(url.port or 0) + rank}").geturl()
-            try:
-                identity = await self._fetch_identity(instance, other)
-            except LegError:
-                break
-            if identity["engine_id"] != f"{base}_dp{rank}":
-                break
-            identities.append(identity)
+        base = instance.identity_url.removesuffix("/query")
+        others = await asyncio.to_thread(dp_siblings, base, first)  # rare: off the loop
         instance.forget()
-        for identity in identities:
+        for identity in [first, *others]:
             instance.learn(identity)
 
     async def _fetch_identity(self, instance: Instance, url: str) -> dict[str, Any]:

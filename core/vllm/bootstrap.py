@@ -161,15 +161,18 @@ def fetch_query(address: str) -> dict[str, Any]:
     return answer
 
 
-def dp_siblings(identity_url: str, engine_id: str, most: int = 256) -> list[dict[str, Any]]:
+def dp_siblings(identity_url: str, first: dict[str, Any], most: int = 256) -> list[dict[str, Any]]:
     """The identities of DP ranks 1, 2, ... of the instance whose DP rank 0 answers at
-    `identity_url` (as engine `engine_id`): each at the next port, until a port does
-    not answer with a sibling (vLLM names DP rank d's engine `<base>_dp<d>`)."""
+    `identity_url` (http://host:port) with `first`: each at the next port, until a port
+    does not answer with a sibling (vLLM names DP rank d's engine `<base>_dp<d>`).
+    None for an instance that is not data parallel."""
+    if not first.get("data_parallel"):
+        return []
     parts = urllib.parse.urlsplit(identity_url)
-    base = engine_id.removesuffix("_dp0")
+    base = str(first["engine_id"]).removesuffix("_dp0")
     found = []
     for rank in range(1, most):
-        url = parts._replace(netloc=f"{parts.hostname}:{(parts.port or 0) + rank}").geturl()
+        url = f"{parts.scheme}://{parts.hostname}:{(parts.port or 0) + rank}"
         try:
             identity = fetch_query(url)
         except (OSError, ValueError):

@@ -150,11 +150,9 @@ class SchedulerSide:
         """Every DP rank's identity: ours, then DP rank 1, 2, ... from their identity
         endpoints until one does not answer (vLLM tells an engine its own DP rank, not
         how many there are)."""
-        identities = [self.identity()]
-        if not self.data_parallel:
-            return identities
+        mine = self.identity()
         url = f"http://{self.config.host}:{self.config.identity_port}"
-        return identities + dp_siblings(url, self.engine_id)
+        return [mine, *dp_siblings(url, mine)]
 
     def state(self) -> dict[str, Any]:
         """Counts a leak check reads after a run: all zero when nothing is in flight."""
