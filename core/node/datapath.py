@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -23,46 +23,12 @@ from kvpush.node.interpreter import Counter, Settled
 from kvpush.plugins import Backends
 from kvpush.protocol import actions as act
 from kvpush.protocol.messages import join_notifs
-from kvpush.transport.agent import PreparedList, Transfer
+from kvpush.transport.agent import NixlAgent, PreparedList, Transfer
 
 log = logging.getLogger(__name__)
 
 # A batched WRITE's notification lists every transfer it ends: keep it small.
 MAX_WRITES_PER_POST = 64
-
-
-class Agent(Protocol):
-    """What the data path uses of kvpush.transport.agent.NixlAgent."""
-
-    name: str
-
-    @property
-    def peers(self) -> set[str]: ...
-
-    def metadata(self) -> bytes: ...
-
-    def add_peer(self, blob: bytes) -> str: ...
-
-    def remove_peer(self, peer: str) -> None: ...
-
-    def prepare(self, rows: np.ndarray, mem_type: str, peer: str | None = None) -> PreparedList: ...
-
-    def post(
-        self,
-        op: str,
-        local: PreparedList,
-        local_ids: np.ndarray,
-        remote: PreparedList,
-        remote_ids: np.ndarray,
-        notif: bytes = b"",
-        nbytes: int = 0,
-    ) -> Transfer: ...
-
-    def done(self, transfer: Transfer) -> bool: ...
-
-    def release(self, transfer: Transfer) -> None: ...
-
-    def notifs(self) -> list[tuple[str, bytes]]: ...
 
 
 @dataclass
@@ -106,7 +72,7 @@ class DataPath:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: NixlAgent,  # or a test's fake with the same methods
         kv: DeviceKV,
         backends: Backends,
         metrics: Counter,
