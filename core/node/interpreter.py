@@ -163,11 +163,11 @@ class Interpreter:
         elif isinstance(action, act.TransferFailed):
             self.data.drop_expected(action.transfer_id)
             self.metrics.inc("transfers_failed", reason=action.reason)
-            self._outcome("failed", action.transfer_id, action.reason, action.detail)
+            self.report("failed", action.transfer_id, action.reason, action.detail)
         elif isinstance(action, act.ReleaseBlocks):
             self.data.drop_fences(action.transfer_id)
             self.metrics.inc("blocks_released", outcome=action.outcome)
-            self._outcome("released", action.transfer_id, action.outcome, nbytes=action.nbytes)
+            self.report("released", action.transfer_id, action.outcome, nbytes=action.nbytes)
         elif isinstance(action, act.Counted):
             self.metrics.inc(action.name, **action.labels)
 
@@ -177,11 +177,12 @@ class Interpreter:
         if action.kv_ready_wall:
             lag = max(0.0, self.wall() - action.kv_ready_wall)
             self.metrics.observe("done_to_ready_seconds", lag)
-        self._outcome("delivered", action.transfer_id, nbytes=nbytes)
+        self.report("delivered", action.transfer_id, nbytes=nbytes)
 
-    def _outcome(
+    def report(
         self, kind: str, transfer_id: str, reason: str = "", detail: str = "", nbytes: int = 0
     ) -> None:
+        """Hand the engine an Outcome, stamped with the time it happened."""
         self.publish(Outcome(kind, transfer_id, reason, detail, nbytes, self.wall()))
 
 

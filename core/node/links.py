@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,7 +62,7 @@ class Links:
         loop: Loop,
         data: DataPath,
         events: LinkEvents,
-        my_hello: Any,
+        my_hello: Callable[[Session], Hello],
         secret: bytes,
         metrics: Counter,
         connect_timeout_s: float,
@@ -69,7 +70,7 @@ class Links:
         self.loop = loop
         self.data = data
         self.events = events
-        self._my_hello = my_hello  # (Session) -> Hello: ours, under that session's nonce
+        self._my_hello = my_hello  # ours, under that session's nonce
         self.secret = secret
         self.metrics = metrics
         self.connect_timeout_s = connect_timeout_s

@@ -318,9 +318,8 @@ class Node:
             try:
                 actions = fn(self.clock())
             except KVPushError as exc:
-                self._publish(
-                    Outcome("failed", transfer_id, "bad_request", str(exc), 0, self.wall())
-                )
+                assert self.interpreter is not None
+                self.interpreter.report("failed", transfer_id, "bad_request", str(exc))
                 return
             self._run(actions)
 

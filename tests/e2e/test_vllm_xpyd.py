@@ -93,9 +93,10 @@ def test_a_data_parallel_prefill_instance_serves_from_each_rank(cluster, client)
         before = {m: client.metric(decode, m) for m in (recomputed, delivered)}
         _spread(client, cluster, router, ["decode"], seed=3200)
         # One at a time too: vLLM's balancer places an unpinned leg by its own view of
-        # the engines' load, which need not be the rank the decode leg names (without
-        # the router's pins this failed in one run of four here; it agreed by chance
-        # in the others, so the check that catches it is the delivered count below).
+        # the engines' load, which need not be the rank the decode leg names. Without
+        # the router's pins, one run of four here put legs on the other rank (decode
+        # then recomputed those prompts, so fewer were delivered); in the others the
+        # balancer agreed by chance. The router unit test catches a missing pin always.
         single = cluster.servers["single"].url
         for i in range(4):
             tokens = prompt(300 + 20 * i, 3300 + i)
