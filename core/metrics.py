@@ -22,6 +22,7 @@ HELP = {
     "transfers_delivered": "Consumer transfers whose KV arrived",
     "transfers_failed": "Consumer transfers that ended without KV, by reason",
     "blocks_released": "Producer transfers whose source blocks were freed, by outcome",
+    "chunk_writes": "Producer WRITEs of earlier prompt chunks' KV (progressive push)",
     "bytes_moved": "Bytes moved by NIXL, by operation",
     "rejected_messages": "Side-channel messages refused or ignored, by why",
     "rejected_notifs": "NIXL notifications ignored, by why",

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the engine must act on: "delivered", "failed" (consumer) or "released"."""
+    """What the engine must act on: "delivered", "failed" (consumer) or "released";
+    and what it may note: "chunk_sent" (producer, progressive push)."""
 
     kind: str
     transfer_id: str
@@ -34,6 +35,7 @@ class Outcome:
     detail: str = ""
     nbytes: int = 0
     wall: float = 0.0  # when it happened (time.time)
+    ready_wall: float = 0.0  # delivered: when the producer's last prompt step ended
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ class Interpreter:
             self.data.drop_fences(action.transfer_id)
             self.metrics.inc("blocks_released", outcome=action.outcome)
             self.report("released", action.transfer_id, action.outcome, nbytes=action.nbytes)
+        elif isinstance(action, act.ChunkSent):
+            self.metrics.inc("chunk_writes")
+            self.report("chunk_sent", action.transfer_id, nbytes=action.nbytes)
         elif isinstance(action, act.Counted):
             self.metrics.inc(action.name, **action.labels)
 
@@ -177,13 +182,19 @@ class Interpreter:
         if action.kv_ready_wall:
             lag = max(0.0, self.wall() - action.kv_ready_wall)
             self.metrics.observe("done_to_ready_seconds", lag)
-        self.report("delivered", action.transfer_id, nbytes=nbytes)
+        self.report("delivered", action.transfer_id, nbytes=nbytes, ready_wall=action.kv_ready_wall)
 
     def report(
-        self, kind: str, transfer_id: str, reason: str = "", detail: str = "", nbytes: int = 0
+        self,
+        kind: str,
+        transfer_id: str,
+        reason: str = "",
+        detail: str = "",
+        nbytes: int = 0,
+        ready_wall: float = 0.0,
     ) -> None:
         """Hand the engine an Outcome, stamped with the time it happened."""
-        self.publish(Outcome(kind, transfer_id, reason, detail, nbytes, self.wall()))
+        self.publish(Outcome(kind, transfer_id, reason, detail, nbytes, self.wall(), ready_wall))
 
 
 def _transfer_of(message: Any) -> str | None:

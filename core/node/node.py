@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvpush.backend import DeviceKV
@@ -258,20 +259,61 @@ class Node:
         if upto < total and self.kv.path == "staged":
             return  # staging copies whole blocks; it waits for the last layer
         wall = self.wall() if ready_wall is None else ready_wall
-        batch = [(tid, [int(b) for b in blocks]) for tid, blocks in transfers]
+        reports = [
+            (
+                tid,
+                partial(
+                    self.producer.kv_ready,
+                    tid,
+                    [int(b) for b in blocks],
+                    ready_wall=wall,
+                    layers=upto,
+                ),
+            )
+            for tid, blocks in transfers
+        ]
+        self._report_kv(reports, upto, fence)
+
+    def kv_progress_many(
+        self, transfers: Sequence[tuple[str, Sequence[int], int]], fence: Any = None
+    ) -> None:
+        """Producer, chunked prefill: a step computed part of these prompts, not their
+        last token. Each is (transfer id, its blocks so far, how many leading ones are
+        complete in every layer); push writes those before the last chunk runs.
+
+        `fence` marks the end of the step; it is kept as the fence of every earlier
+        layer (key 0), so whichever WRITE reads these blocks next waits on it. A later
+        step's fence stands in for an earlier one's: a device runs steps in order.
+        """
+        if self.kv.path == "staged":
+            return  # staging copies whole requests: it waits for the last step
+        reports = [
+            (tid, partial(self.producer.kv_progress, tid, [int(b) for b in blocks], int(full)))
+            for tid, blocks, full in transfers
+        ]
+        self._report_kv(reports, 0, fence)
+
+    def _report_kv(
+        self,
+        reports: list[tuple[str, Callable[[float], list[act.Action]]]],
+        fence_key: int,
+        fence: Any,
+    ) -> None:
+        """Hand a step's KV reports to the loop thread in one go, so that their WRITEs
+        share NIXL posts; each report is the producer call, waiting only for `now`."""
 
         def run() -> None:
             assert self.data is not None
             now = self.clock()
             actions: list[act.Action] = []
-            for transfer_id, blocks in batch:
-                if self.data.add_fence(transfer_id, upto, fence):
+            for transfer_id, report in reports:
+                if self.data.add_fence(transfer_id, fence_key, fence):
                     self.metrics.inc("transfers_started", role="producer")
-                actions += self.producer.kv_ready(transfer_id, blocks, now, wall, upto)
+                actions += report(now)
                 if not self.producer.tracks(transfer_id):
                     # It ended (released, aborted): no WRITE will wait on these fences.
                     self.data.drop_fences(transfer_id)
-            self._run(actions)  # together, so their WRITEs share NIXL posts
+            self._run(actions)
 
         self.loop.call_soon(run)
 

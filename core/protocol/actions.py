@@ -82,6 +82,15 @@ class ReleaseBlocks:
 
 
 @dataclass(frozen=True)
+class ChunkSent:
+    """Producer: a WRITE of blocks that earlier chunks of the prompt completed is in the
+    consumer's memory, before the prompt's last step (progressive push)."""
+
+    transfer_id: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Counted:
     """Something worth a metric that is not an I/O action (a rejected message)."""
 
@@ -98,5 +107,6 @@ Action = (
     | Delivered
     | TransferFailed
     | ReleaseBlocks
+    | ChunkSent
     | Counted
 )

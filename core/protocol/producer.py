@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvpush.protocol.actions import (
     Action,
+    ChunkSent,
     Counted,
     ExposeBlocks,
     PostWrite,
@@ -111,9 +112,19 @@ class _Transfer:
     transfer_id: str
     state: State
     kv_blocks: list[int] | None = None  # source blocks, once any of the KV is computed
+    # Before the step that computes the last prompt token (progressive push, one
+    # chunk of the prompt per step): leading source blocks complete in every layer,
+    # and how many of those are written already.
+    blocks_ready: int = 0
+    blocks_written: int = 0
+    # From that last step on: kv_blocks is the whole list, and its blocks from
+    # blocks_written on become ready layer by layer.
+    last_step: bool = False
     layers_ready: int = 0  # layers 0..layers_ready-1 are computed
     layers_written: int = 0  # ... and 0..layers_written-1 are written (push)
     writing_upto: int = 0  # the WRITE in flight covers layers up to this one
+    writing_blocks: int = 0  # ... or, progressive, leading blocks up to this one
+    engine_done: bool = False  # the engine's last report (or its abort) came
     nbytes: int = 0
     kv_ready_wall: float = 0.0
     peer: str | None = None  # the consumer that claimed it
@@ -194,24 +205,18 @@ class Producer:
             self._final_seen[transfer_id] = None
             while len(self._final_seen) > _FINAL_MEMORY:
                 self._final_seen.popitem(last=False)
-        if transfer_id in self._released:
-            # Released already; the engine is still reporting layers. Its last report
-            # ends the story (a tombstone may have expired meanwhile: this must not).
-            if final:
-                self._released.discard(transfer_id)
-            return []
-        if transfer_id in self._tombstones:
-            if not final:
-                self._released.add(transfer_id)
-            return [ReleaseBlocks(transfer_id, self._tombstones[transfer_id])]
+        if transfer_id in self._released or transfer_id in self._tombstones:
+            return self._reported_after_end(transfer_id, final)
         transfer = self._transfers.get(transfer_id)
         if transfer is None:
             transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
         if layers <= transfer.layers_ready:
             return [Counted("duplicate_kv_ready")]
-        if transfer.kv_blocks is None:
-            transfer.kv_blocks = list(block_ids)
+        if not transfer.last_step:
+            transfer.kv_blocks = list(block_ids)  # the whole list now, earlier chunks' too
+            transfer.last_step = True
         transfer.layers_ready = layers
+        transfer.engine_done = final
         if transfer.state == State.EARLY:
             TRANSITIONS.move(transfer, State.CLAIMED)  # the engine has the request now
         if not final:
@@ -228,13 +233,56 @@ class Producer:
         self._deadlines.set(("lease", transfer_id), lease)
         return []
 
-    def abort(self, transfer_id: str, now: float) -> list[Action]:
-        """The engine dropped the request (client gone, router cancelled the leg)."""
+    def kv_progress(
+        self, transfer_id: str, block_ids: list[int], full_blocks: int, now: float
+    ) -> list[Action]:
+        """A step computed part of the prompt, not its last token (chunked prefill): the
+        request holds `block_ids` so far, and the first `full_blocks` of them are
+        complete in every layer. Push writes those now, so that the last step leaves
+        only its own blocks to move.
+
+        The engine then reports the last step with kv_ready, as for a prompt computed
+        in one step; nothing is final before that.
+        """
+        if transfer_id in self._released or transfer_id in self._tombstones:
+            return self._reported_after_end(transfer_id, final=False)
         transfer = self._transfers.get(transfer_id)
         if transfer is None:
-            self._released.discard(transfer_id)  # no more layer reports will come
+            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
+        if transfer.last_step:
+            return [Counted("duplicate_kv_ready")]
+        transfer.kv_blocks = list(block_ids)  # held now: they go back through us
+        if transfer.state == State.EARLY:
+            TRANSITIONS.move(transfer, State.CLAIMED)  # the engine has the request now
+        full_blocks = min(full_blocks, len(block_ids))
+        if full_blocks <= transfer.blocks_ready:
+            return []
+        transfer.blocks_ready = full_blocks
+        if transfer.dst_blocks is None:
+            return []
+        return self._write_more(transfer, now)
+
+    def _reported_after_end(self, transfer_id: str, final: bool) -> list[Action]:
+        """The engine reports KV of a transfer that ended. Its blocks go back once: now,
+        if they never came before; the reports after that are ignored until the last
+        one (or an abort) ends the story. A tombstone may expire meanwhile: that must not."""
+        if transfer_id in self._released:
+            if final:
+                self._released.discard(transfer_id)
+            return []
+        if not final:
+            self._released.add(transfer_id)
+        return [ReleaseBlocks(transfer_id, self._tombstones[transfer_id])]
+
+    def abort(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine dropped the request (client gone, router cancelled the leg): it
+        reports nothing more for it."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            self._released.discard(transfer_id)
             self._tombstone(transfer_id, "aborted", now)
             return []
+        transfer.engine_done = True
         if transfer.state in _WRITE_IN_FLIGHT:
             self._fail_after_write(transfer, "aborted", "the prefill request was aborted")
             return []
@@ -266,8 +314,11 @@ class Producer:
             outcome = "write_failed"
             message = Failed(transfer_id, outcome, detail, may_land)
         else:
-            transfer.layers_written = transfer.writing_upto
             transfer.nbytes += nbytes
+            if transfer.writing_blocks:
+                transfer.blocks_written, transfer.writing_blocks = transfer.writing_blocks, 0
+                return [ChunkSent(transfer_id, nbytes), *self._write_more(transfer, now)]
+            transfer.layers_written = transfer.writing_upto
             if transfer.layers_written < self.num_layers:
                 return self._write_more(transfer, now)
             outcome = "sent"
@@ -369,7 +420,8 @@ class Producer:
         return None
 
     def _write_more(self, transfer: _Transfer, now: float) -> list[Action]:
-        """Post the next WRITE: every ready layer not yet written, if none is in flight."""
+        """Post the next WRITE, if none is in flight: before the last step, the complete
+        blocks not yet written; from it on, every ready layer of the rest."""
         assert transfer.kv_blocks is not None and transfer.dst_blocks is not None
         if transfer.state in _WRITE_IN_FLIGHT:
             return []  # its completion posts what became ready meanwhile
@@ -379,16 +431,20 @@ class Producer:
             self._deadlines.cancel(("reg", transfer.transfer_id))
         sources = transfer.kv_blocks[transfer.skip_blocks :]
         destinations = transfer.dst_blocks
+        if not transfer.last_step:
+            return self._write_complete_blocks(transfer, sources, destinations)
         if len(destinations) > len(sources):
             detail = (
                 f"{len(destinations)} destination blocks for {len(sources)} source blocks "
                 f"(after skipping {transfer.skip_blocks})"
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
-        if not destinations or transfer.layers_written == self.num_layers:
+        start = min(transfer.blocks_written, len(destinations))
+        if start == len(destinations) or transfer.layers_written == self.num_layers:
             if not all_ready:
                 return []
-            # Nothing (more) to move, e.g. decode holds every block in its prefix cache.
+            # Nothing (more) to move: decode holds every block in its prefix cache, or
+            # earlier steps' WRITEs moved them all.
             complete = Complete(transfer.transfer_id, b"", transfer.nbytes, transfer.kv_ready_wall)
             return [Send(transfer.peer, complete)] + self._end(transfer, "sent", now)
         if transfer.layers_written == transfer.layers_ready:
@@ -399,10 +455,36 @@ class Producer:
             PostWrite(
                 transfer.transfer_id,
                 transfer.peer,
-                sources[: len(destinations)],
-                destinations,
+                sources[start : len(destinations)],
+                destinations[start:],
                 encode_notif(transfer.transfer_id, transfer.kv_ready_wall) if all_ready else b"",
                 (transfer.layers_written, transfer.layers_ready),
+            )
+        ]
+
+    def _write_complete_blocks(
+        self, transfer: _Transfer, sources: list[int], destinations: list[int]
+    ) -> list[Action]:
+        """Progressive push: WRITE every layer of the blocks earlier steps completed.
+        Blocks decode holds already (skip_blocks) are not sources; a block past the
+        consumer's last is not either (the last step checks that count). The WRITE
+        that fills decode's last block carries the notification: decode has all it
+        asked for then, even if prefill has more to compute."""
+        upto = min(transfer.blocks_ready - transfer.skip_blocks, len(destinations))
+        if upto <= transfer.blocks_written:
+            return []
+        TRANSITIONS.move(transfer, State.WRITING)
+        transfer.writing_blocks = upto
+        start = transfer.blocks_written
+        last = upto == len(destinations)
+        return [
+            PostWrite(
+                transfer.transfer_id,
+                transfer.peer,
+                sources[start:upto],
+                destinations[start:upto],
+                encode_notif(transfer.transfer_id, 0.0) if last else b"",
+                (0, self.num_layers),
             )
         ]
 
@@ -562,8 +644,8 @@ class Producer:
         if notify and transfer.peer in self._peers:
             actions.append(Send(transfer.peer, Failed(tid, outcome, detail)))
         if transfer.kv_blocks is not None:
-            if transfer.layers_ready < self.num_layers:
-                self._released.add(tid)  # more layer reports will come: ignore them
+            if not transfer.engine_done:
+                self._released.add(tid)  # more reports will come: ignore them
             actions.append(ReleaseBlocks(tid, outcome, transfer.nbytes))
         return actions
 

@@ -27,6 +27,9 @@ KV_ROLES = {f"kv_{role}": role for role in ROLES}
 _PROTOCOL_KEYS = {f.name for f in dataclasses.fields(ProtocolConfig)} - {"mode"}
 
 
+GRANULARITIES = ("request", "layer", "chunk")
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """What kv_connector_extra_config may hold (all optional).
@@ -43,7 +46,11 @@ class ConnectorConfig:
         DP rank 0 serves it for every DP rank (with DP > 1 it asks the others at
         their identity ports, so identity_port must be set too).
     secret: shared secret for message authentication (default $KVPUSH_SECRET).
-    layerwise: push each layer's KV as soon as it is computed (default true).
+    push_granularity: when a producer's KV leaves for decode (push mode):
+        "request": all of it once the prompt's last step ends;
+        "layer" (default): in that last step, each layer as the forward pass writes it;
+        "chunk": also, with chunked prefill, each earlier step's completed blocks as
+        that step ends, so the last step moves only its own (docs/protocol.md).
     idle_wait_s: longest an engine step that has nothing to compute but transfers to
         wait for sleeps until a transfer ends (default 0.02; 0 turns the wait off).
     park_workers: let an idle worker sleep on its step queue instead of spinning
@@ -61,7 +68,7 @@ class ConnectorConfig:
     identity_port: int = 0
     bootstrap_port: int = 0
     secret: str | None = None
-    layerwise: bool = True
+    push_granularity: str = "layer"
     idle_wait_s: float = 0.02
     park_workers: bool = True
     nixl_backends: tuple[str, ...] = ()
@@ -70,12 +77,27 @@ class ConnectorConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     @property
+    def layerwise(self) -> bool:
+        """Push the last step's KV layer by layer (any granularity but "request")."""
+        return self.push_granularity != "request"
+
+    @property
+    def progressive(self) -> bool:
+        """Push earlier chunks' KV before the last step (push mode only)."""
+        return self.push_granularity == "chunk" and self.protocol.mode == "push"
+
+    @property
     def agent(self) -> AgentConfig:
         return AgentConfig(ucx_error_handling=self.ucx_error_handling)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
+        if "layerwise" in extra:
+            raise ConfigError(
+                "kv_connector_extra_config key 'layerwise' was replaced by "
+                "push_granularity: 'layer' (layerwise true), 'request' (false), or 'chunk'"
+            )
         plain = {f.name for f in dataclasses.fields(cls)} - {"protocol"}
         unknown = sorted(set(extra) - plain - _PROTOCOL_KEYS)
         if unknown:
@@ -99,7 +121,7 @@ def _checked(key: str, value: Any) -> Any:
         "identity_port": int,
         "bootstrap_port": int,
         "secret": str,
-        "layerwise": bool,
+        "push_granularity": str,
         "park_workers": bool,
         "ucx_error_handling": str,
     }
@@ -112,6 +134,8 @@ def _checked(key: str, value: Any) -> Any:
         if not number or not 0 <= value <= 1:
             raise ConfigError(f"idle_wait_s must be a number of seconds in [0, 1], got {value!r}")
         return float(value)
+    if key == "push_granularity" and value not in GRANULARITIES:
+        raise ConfigError(f"push_granularity must be one of {GRANULARITIES}, got {value!r}")
     if key == "mode" and value not in ("push", "pull"):
         raise ConfigError(f"mode must be 'push' or 'pull', got {value!r}")
     if key in ("port", "identity_port", "bootstrap_port") and not 0 <= value < 65536:

@@ -8,6 +8,7 @@ calls to the half that exists here.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,6 +28,20 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 _log_handler_installed = False
+
+
+def _callers_kv_role(extra_config: dict[str, Any]) -> str | None:
+    """The kv_role of the KVTransferConfig whose extra config vLLM asks about.
+
+    vLLM passes only the extra config to requires_piecewise_for_cudagraph; the
+    config object that holds it, and its role, is in a caller's frame."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        transfer = getattr(frame.f_locals.get("self"), "kv_transfer_config", None)
+        if getattr(transfer, "kv_connector_extra_config", None) is extra_config:
+            return getattr(transfer, "kv_role", None)
+        frame = frame.f_back
+    return None
 
 
 def _show_kvpush_logs() -> None:
@@ -187,8 +202,11 @@ class KVPushConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Layer-by-layer push runs Python after each layer, which a full CUDA graph skips.
-        return ConnectorConfig.from_extra(extra_config).layerwise
+        # Layer-by-layer push runs Python after each layer, which a full CUDA graph
+        # skips. Only a producer pushes: a pure consumer keeps its full graphs.
+        if not ConnectorConfig.from_extra(extra_config).layerwise:
+            return False
+        return _callers_kv_role(extra_config) != "kv_consumer"
 
     # -- helpers -------------------------------------------------------------------------
 

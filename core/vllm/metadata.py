@@ -44,11 +44,23 @@ class Produce:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Prefill, chunked: this step computes part of the prompt, not its last token; at
+    its end the first `full_blocks` of `block_ids` are complete in every layer."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    full_blocks: int
+
+
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     expects: list[Expect] = field(default_factory=list)
     announces: list[Announce] = field(default_factory=list)
     produces: list[Produce] = field(default_factory=list)
+    progress: list[Progress] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)  # prefill transfer ids admitted
     aborts: list[str] = field(default_factory=list)  # transfer ids given up (either role)
     rejects: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
@@ -58,8 +70,8 @@ class KVPushMetadata(KVConnectorMetadata):
     def carries_work(self) -> bool:
         """Whether the workers must act on this step's metadata."""
         return bool(
-            self.expects or self.announces or self.produces or self.pending
-            or self.aborts or self.rejects
+            self.expects or self.announces or self.produces or self.progress
+            or self.pending or self.aborts or self.rejects
         )  # fmt: skip
 
 
@@ -78,11 +90,18 @@ class KVPushHandshake(KVConnectorHandshakeMetadata):
 class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler half each step, besides finished ids."""
 
-    landed: dict[str, float] = field(default_factory=dict)  # request id -> wall time
+    # Each: request id -> wall time. Decode: its KV landed, and the producer's last
+    # prompt step had ended; prefill: the first WRITE of an earlier chunk's KV ended.
+    landed: dict[str, float] = field(default_factory=dict)
+    kv_ready: dict[str, float] = field(default_factory=dict)
+    chunk_sent: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
-        # A request's KV is whole when its last rank's share landed.
-        landed = dict(self.landed)
-        for request_id, wall in getattr(other, "landed", {}).items():
-            landed[request_id] = max(wall, landed.get(request_id, wall))
-        return KVPushWorkerMeta(landed)
+        # A request's KV is whole (or has left) when its last rank's share has.
+        merged = KVPushWorkerMeta()
+        for name in ("landed", "kv_ready", "chunk_sent"):
+            mine, theirs = getattr(self, name), getattr(other, name, {})
+            into = getattr(merged, name)
+            for request_id in mine.keys() | theirs.keys():
+                into[request_id] = max(mine.get(request_id, 0.0), theirs.get(request_id, 0.0))
+        return merged

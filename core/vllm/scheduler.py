@@ -30,7 +30,14 @@ from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, rank_port
 from kvpush.vllm.identity import IdentityServer
-from kvpush.vllm.metadata import Announce, Expect, KVPushHandshake, KVPushMetadata, Produce
+from kvpush.vllm.metadata import (
+    Announce,
+    Expect,
+    KVPushHandshake,
+    KVPushMetadata,
+    Produce,
+    Progress,
+)
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_request_id
 from kvpush.vllm.wake import Doorbell
@@ -49,7 +56,8 @@ class _Producing:
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     signalled: bool = False  # a step computing its last prompt token was scheduled
-    spoiled: bool = False  # preempted after that: what a WRITE reads is not its KV
+    progressed: bool = False  # a step computing an earlier chunk was (progressive push)
+    spoiled: bool = False  # preempted after either: what a WRITE reads is not its KV
 
 
 class SchedulerSide:
@@ -247,13 +255,20 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         self.spans.scheduled(scheduled)
         for request_id, producing in self._producing.items():
-            if producing.signalled or request_id not in scheduled:
+            if producing.signalled or producing.spoiled or request_id not in scheduled:
                 continue
             self.spans.mark(request_id, "computing")
-            if self._completes_prefill(scheduler_output, request_id):
+            computed = self._computed_after(scheduler_output, request_id)
+            blocks = tuple(producing.block_ids)
+            if computed >= producing.prompt_len:
                 producing.signalled = True
-                self._next.produces.append(
-                    Produce(request_id, producing.transfer_id, tuple(producing.block_ids))
+                self.spans.mark(request_id, "last_step")
+                self._next.produces.append(Produce(request_id, producing.transfer_id, blocks))
+            elif self.config.progressive:
+                producing.progressed = True
+                full = computed // self.block_size
+                self._next.progress.append(
+                    Progress(request_id, producing.transfer_id, blocks, full)
                 )
         meta, self._next = self._next, KVPushMetadata()
         meta.doorbell = self.doorbell.port
@@ -300,9 +315,9 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
-        landed = getattr(worker_meta, "landed", None) or {}
-        for request_id, wall in landed.items():
-            self.spans.mark(request_id, "landed", wall)
+        for milestone in ("landed", "kv_ready", "chunk_sent"):
+            for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
+                self.spans.mark(request_id, milestone, wall)
         for request_id in output.finished_sending or ():
             self._sending.discard(request_id)
             self.spans.mark(request_id, "released")
@@ -429,7 +444,8 @@ class SchedulerSide:
         request's: end that transfer (decode discards whatever lands and fails the
         load, per its policy), and send nothing for the recomputed request."""
         producing = self._producing.get(request_id)
-        if producing is None or not producing.signalled or producing.spoiled:
+        sent_any = producing is not None and (producing.signalled or producing.progressed)
+        if not sent_any or producing.spoiled:
             return  # not signalled: no WRITE reads its blocks, and resuming re-reads them
         producing.spoiled = True
         self._next.aborts.append(producing.transfer_id)
@@ -443,14 +459,17 @@ class SchedulerSide:
     def _prefill_finished(
         self, request: Any, producing: _Producing, block_ids: list[int]
     ) -> tuple[bool, dict | None]:
-        if not producing.signalled:
-            # Its last prompt token never ran: no WRITE can read these blocks.
+        if not (producing.signalled or producing.progressed):
+            # No step of it was reported: no WRITE can read these blocks.
             self._next.aborts.append(producing.transfer_id)
             self.spans.drop(request.request_id)
             return False, None
-        if producing.spoiled:
-            # Its transfer was ended at the preemption; keep the blocks until the
-            # producer has let go of it, and name nothing for decode to claim.
+        if producing.spoiled or not producing.signalled:
+            # Ended at a preemption, or aborted between chunks: a chunk's WRITE may
+            # still read the blocks. Keep them until the producer lets go, and name
+            # nothing for decode to claim.
+            if not producing.spoiled:
+                self._next.aborts.append(producing.transfer_id)
             self._sending.add(request.request_id)
             self.spans.drop(request.request_id)
             return True, None
@@ -481,16 +500,15 @@ class SchedulerSide:
             else:
                 producing.block_ids.extend(new_blocks[0])
 
-    def _completes_prefill(self, out: Any, request_id: str) -> bool:
-        """Whether this step computes the request's last prompt token."""
+    def _computed_after(self, out: Any, request_id: str) -> int:
+        """How many of the request's tokens have KV once this step has run (prefix-cache
+        hits included: vLLM counts them as computed)."""
         scheduled = out.num_scheduled_tokens[request_id]
         for new in out.scheduled_new_reqs:
             if new.req_id == request_id:
-                return new.num_computed_tokens + scheduled >= len(new.prompt_token_ids or ())
+                return new.num_computed_tokens + scheduled
         cached = out.scheduled_cached_reqs
-        index = cached.req_ids.index(request_id)
-        prompt_len = self._producing[request_id].prompt_len
-        return cached.num_computed_tokens[index] + scheduled >= prompt_len
+        return cached.num_computed_tokens[cached.req_ids.index(request_id)] + scheduled
 
 
 def _status(request: Any) -> str:

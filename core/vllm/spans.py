@@ -30,6 +30,11 @@ MILESTONES = {
     "decode": ("arrived", "allocated", "landed", "scheduled", "finished"),
     "prefill": ("arrived", "computing", "computed", "released"),
 }
+# Moments noted beside the milestones, in no phase. Decode: kv_ready, when prefill's
+# last prompt step ended (landed - kv_ready is the hand-off's residual). Prefill:
+# last_step, when the step computing the last prompt token was scheduled; chunk_sent,
+# when the first WRITE of an earlier chunk's KV ended (progressive push).
+EVENTS = {"decode": ("kv_ready",), "prefill": ("last_step", "chunk_sent")}
 PHASES = {
     "decode": ("queued", "kv_wait", "to_step", "generate"),
     "prefill": ("queued", "compute", "send"),
@@ -83,7 +88,7 @@ class Spans:
         timeline = self._open.get(request_id)
         if timeline is None or milestone in timeline.marks:
             return
-        if milestone not in MILESTONES[timeline.role]:
+        if milestone not in MILESTONES[timeline.role] + EVENTS[timeline.role]:
             raise ValueError(f"{milestone!r} is not a {timeline.role} milestone")
         timeline.marks[milestone] = self._clock() if at is None else at
         if milestone == "landed":

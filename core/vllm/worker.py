@@ -16,7 +16,13 @@ from kvpush.errors import ConfigError, KVPushError
 from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, load_secret, rank_port
-from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta, Produce
+from kvpush.vllm.metadata import (
+    KVPushHandshake,
+    KVPushMetadata,
+    KVPushWorkerMeta,
+    Produce,
+    Progress,
+)
 from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
 from kvpush.vllm.wake import Ringer
@@ -72,6 +78,7 @@ class WorkerSide:
         self.node: Node | None = None
         self._layer_index: dict[str, int] = {}
         self._produces: list[Produce] = []
+        self._progress: list[Progress] = []
         self._sender_of: dict[str, str] = {}  # transfer id -> prefill request id
         self._receiver_of: dict[str, str] = {}  # transfer id -> decode request id
         self._released: set[str] = set()
@@ -83,7 +90,7 @@ class WorkerSide:
         self._counted: dict[str, float] = {}  # node counters already reported
         self._ringer = Ringer()  # wakes a scheduler waiting for an outcome
         self._parking = Parking(None)
-        self._landed: dict[str, float] = {}  # request id -> when its KV landed (wall)
+        self._noted = KVPushWorkerMeta()  # for the scheduler's spans, until the next step
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -160,8 +167,9 @@ class WorkerSide:
             self._recv_done.add(request_id)
             self._recv_failed.add(request_id)
         self._produces = list(meta.produces)
-        for produce in self._produces:
-            self._sender_of[produce.transfer_id] = produce.request_id
+        self._progress = list(meta.progress)
+        for sent in (*self._produces, *self._progress):
+            self._sender_of[sent.transfer_id] = sent.request_id
 
     def save_layer(self, layer_name: str) -> None:
         """One layer of this step's KV is written: push it to whoever registered."""
@@ -177,13 +185,17 @@ class WorkerSide:
 
     def end_step(self) -> None:
         """The forward pass is over: every layer of this step's KV exists."""
-        if not self._produces:
+        if not (self._produces or self._progress):
             return
         node = self._node()
         fence = self.backends.fence(node.kv, None)
-        batch = [(p.transfer_id, p.block_ids) for p in self._produces]
-        node.kv_ready_many(batch, fence, ready_wall=time.time())
-        self._produces = []
+        if self._progress:
+            chunks = [(p.transfer_id, p.block_ids, p.full_blocks) for p in self._progress]
+            node.kv_progress_many(chunks, fence)
+        if self._produces:
+            batch = [(p.transfer_id, p.block_ids) for p in self._produces]
+            node.kv_ready_many(batch, fence, ready_wall=time.time())
+        self._produces, self._progress = [], []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) request ids."""
@@ -203,6 +215,11 @@ class WorkerSide:
 
     def _account(self, outcome: Any) -> None:
         tid = outcome.transfer_id
+        if outcome.kind == "chunk_sent":
+            request_id = self._sender_of.get(tid)
+            if request_id is not None:
+                self._noted.chunk_sent.setdefault(request_id, outcome.wall)
+            return
         if outcome.kind == "released":
             request_id = self._sender_of.pop(tid, None)
             if request_id is not None:
@@ -216,7 +233,9 @@ class WorkerSide:
             return
         self._recv_done.add(request_id)
         if outcome.kind == "delivered":
-            self._landed[request_id] = outcome.wall
+            self._noted.landed[request_id] = outcome.wall
+            if outcome.ready_wall:
+                self._noted.kv_ready[request_id] = outcome.ready_wall
             self._stats.data["delivered"] += 1
             self._stats.data["bytes"] += outcome.nbytes
         else:
@@ -228,10 +247,11 @@ class WorkerSide:
             self._stats.data["failed"] += 1
 
     def worker_meta(self) -> KVPushWorkerMeta | None:
-        if not self._landed:
+        noted = self._noted
+        if not (noted.landed or noted.kv_ready or noted.chunk_sent):
             return None
-        meta, self._landed = KVPushWorkerMeta(self._landed), {}
-        return meta
+        self._noted = KVPushWorkerMeta()
+        return noted
 
     def stats(self) -> KVPushStats | None:
         if self.node is not None:

@@ -163,6 +163,14 @@ class NodePeer:
         routes = self.node.loop.call(lambda: list(self.node.data.routes.values()))
         return {"split": sorted(route.split for route in routes)}
 
+    def kv_progress(self, tid: str, blocks: list[int], full: int, value: int) -> dict:
+        """A chunk of the prompt ran: write `value` into every layer of the first `full`
+        of `blocks` (the rest is not complete), then say so."""
+        for name in self.tensors:
+            self._memory(name)[blocks[:full]] = value
+        self.node.kv_progress_many([(tid, blocks, full)], self.backends.fence(self.kv))
+        return {}
+
     def abort(self, tid: str) -> dict:
         self.node.abort(tid)
         return {}

@@ -87,6 +87,26 @@ def test_push_moves_the_bytes_into_the_registered_blocks(spawn, order):
     _quiet(consumer)
 
 
+def test_earlier_chunks_cross_before_the_last_step_runs(spawn):
+    producer = spawn("producer", "prefill", layers=2)
+    consumer = spawn("consumer", "decode", layers=2)
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[8, 9, 10])
+    _registered(producer)
+    producer.call("kv_progress", tid="t1", blocks=[0, 1], full=1, value=0x61)
+    _until(lambda: _values(consumer)[1][8] == [0x61], "the first chunk's block landing")
+    assert _one(producer)["kind"] == "chunk_sent"
+    assert [layer[9] for layer in _values(consumer)] == [[0], [0]]  # split: not yet
+    assert consumer.call("results", count=1, seconds=0.3)["outcomes"] == []  # not whole
+    producer.call("kv_ready", tid="t1", blocks=[0, 1, 2], value=0x62)
+    delivered = _one(consumer)
+    assert (delivered["kind"], delivered["nbytes"]) == ("delivered", 2 * 3 * 4096)
+    for layer in _values(consumer):  # the chunk's block was not sent again
+        assert (layer[8], layer[9], layer[10]) == ([0x61], [0x62], [0x62])
+    released = _one(producer)
+    assert (released["reason"], released["nbytes"]) == ("sent", 2 * 3 * 4096)
+    assert producer.call("stats")["metrics"]["chunk_writes"] == {"total": 1}
+
+
 def test_layers_cross_as_they_are_computed(spawn):
     producer = spawn("producer", "prefill", layers=4)
     consumer = spawn("consumer", "decode", layers=4)

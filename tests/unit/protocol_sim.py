@@ -80,8 +80,10 @@ class ConsumerSide:
     machine: Consumer
     hello: Hello
     ledger: Ledger
-    memory: dict[tuple[int, int], str] = field(default_factory=dict)  # (block, layer) -> tid
+    # (block, layer) -> (transfer id, the producer block it came from)
+    memory: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)
     expected: dict[str, list[int]] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)  # tid -> leading blocks held here
     delivered: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     reads: dict[str, act.PostRead] = field(default_factory=dict)
@@ -146,6 +148,9 @@ class _ProducerPorts(_Ports):
 
     def publish(self, outcome: Outcome) -> None:
         sim, tid = self.sim, outcome.transfer_id
+        if outcome.kind == "chunk_sent":
+            sim.chunks_sent.append(tid)
+            return
         if outcome.kind != "released":
             sim.errors.append(f"the producer reported {outcome.kind} for {tid}")
             return
@@ -188,11 +193,13 @@ class _ConsumerPorts(_Ports):
         sim, side, tid = self.sim, self.side, outcome.transfer_id
         if outcome.kind == "delivered":
             sim._end(side, tid)
+            # Block i of the claim holds the producer's block skip + i, in every layer.
+            sources = sim.p_blocks.get(tid, [])[side.skipped.get(tid, 0) :]
             wrong = [
                 (b, layer)
-                for b in side.expected[tid]
+                for i, b in enumerate(side.expected[tid])
                 for layer in range(sim.layers)
-                if side.memory.get((b, layer)) != tid
+                if side.memory.get((b, layer)) != (tid, sources[i] if i < len(sources) else None)
             ]
             if wrong:
                 sim.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
@@ -240,6 +247,9 @@ class Sim:
         )
         self.p_ledger = Ledger("producer", producer_blocks)
         self.kv_ready: set[str] = set()
+        self.p_blocks: dict[str, list[int]] = {}  # tid -> its producer blocks, in order
+        self.last_step: set[str] = set()  # tids whose last prompt step was reported
+        self.chunks_sent: list[str] = []  # a WRITE of an earlier chunk's KV ended
         self.released: dict[str, str] = {}
         self.consumers: dict[str, ConsumerSide] = {}
         for i in range(consumers):
@@ -273,17 +283,35 @@ class Sim:
         side = self.consumers[consumer] if consumer else self.c
         ids = side.ledger.alloc(tid, blocks)
         side.expected[tid] = ids
+        side.skipped[tid] = skip
         self._run_consumer(side, side.machine.expect(tid, PRODUCER, ids, self.now, skip))
         return ids
 
     def ready(self, tid: str, blocks: int = 4, layers: int | None = None) -> list[int]:
-        """The KV of `tid` is computed, up to `layers` layers (all by default)."""
-        if tid not in self.kv_ready:
-            self.p_ledger.alloc(tid, blocks)
-            self.kv_ready.add(tid)
-        ids = [b for b, owner in self.p_ledger.owner.items() if owner == tid]
+        """The last step of `tid`'s prompt ran, up to `layers` layers (all by default):
+        it holds `blocks` blocks in all."""
+        # The last step's layer reports all name the blocks it ran with.
+        ids = list(self.p_blocks[tid]) if tid in self.last_step else self._blocks(tid, blocks)
+        self.last_step.add(tid)
         self._run_producer(self.producer.kv_ready(tid, ids, self.now, layers=layers))
         return ids
+
+    def progress(self, tid: str, blocks: int, full: int) -> list[int]:
+        """A step computed part of `tid`'s prompt (chunked prefill): it holds `blocks`
+        blocks so far, the first `full` complete."""
+        ids = self._blocks(tid, blocks)
+        self._run_producer(self.producer.kv_progress(tid, ids, full, self.now))
+        return ids
+
+    def _blocks(self, tid: str, count: int) -> list[int]:
+        """`tid`'s producer blocks, allocating more as its prompt grows."""
+        if tid not in self.p_blocks:
+            self.p_blocks[tid] = self.p_ledger.alloc(tid, count)
+        elif count > len(self.p_blocks[tid]) and tid not in self.released:
+            # (After its release the ledger has let them go; growth is not modelled.)
+            self.p_blocks[tid] += self.p_ledger.alloc(tid, count - len(self.p_blocks[tid]))
+        self.kv_ready.add(tid)
+        return list(self.p_blocks[tid])
 
     def pending(self, tid: str) -> None:
         self._run_producer(self.producer.kv_pending(tid, self.now))
@@ -320,12 +348,12 @@ class Sim:
             if not self.p_ledger.holds(tid, post.src_blocks):
                 self.errors.append(f"WRITE {tid} read source blocks the producer had freed")
             if ok:
-                for block in post.dst_blocks:
+                for source, block in zip(post.src_blocks, post.dst_blocks, strict=True):
                     if side.ledger.owner.get(block) != tid:
                         owner = side.ledger.owner.get(block, "the free pool")
                         self.errors.append(f"WRITE {tid} landed in block {block} of {owner}")
                     for layer in range(*post.layers):
-                        side.memory[(block, layer)] = tid
+                        side.memory[(block, layer)] = (tid, source)
                 if post.notif:
                     self.notifs.append((consumer, post.notif))
             self._run_producer(self.producer.on_write_done(tid, ok, self.now, "" if ok else "boom"))
@@ -338,9 +366,9 @@ class Sim:
                     # Harmless unless the consumer then trusts what it read.
                     self.stale_reads.add(tid)
                 if ok:
-                    for block in post.local_blocks:
+                    for source, block in zip(post.remote_blocks, post.local_blocks, strict=True):
                         for layer in range(self.layers):
-                            side.memory[(block, layer)] = tid
+                            side.memory[(block, layer)] = (tid, source)
                 self._run_consumer(side, side.machine.on_read_done(tid, ok, self.now))
 
     def poll_notifs(self) -> None:

@@ -372,7 +372,7 @@ def test_retry_with_a_new_transfer_id_never_gets_old_bytes():
     assert sim.consumers["decode1"].delivered == ["new"]
     assert sim.consumers["decode0"].failed == {"old": "aborted"}
     for block in sim.consumers["decode1"].expected["new"]:
-        assert sim.consumers["decode1"].memory[(block, 0)] == "new"
+        assert sim.consumers["decode1"].memory[(block, 0)][0] == "new"
     sim.check()
 
 
@@ -459,6 +459,132 @@ def test_a_failed_layer_write_fails_the_transfer():
     sim.settle()
     assert sim.released == {"t1": "write_failed"}
     sim.check()
+
+
+# -- progressive: chunk by chunk -------------------------------------------------------
+
+
+def test_each_chunks_complete_blocks_are_written_before_the_last_step():
+    sim = Sim(layers=2)
+    sim.expect("t1", blocks=6)
+    sim.deliver()
+    ids = sim.progress("t1", blocks=2, full=2)  # chunk 1: blocks 0-1 complete
+    _, first = sim.writes["t1"]
+    assert first.src_blocks == ids[:2] and first.layers == (0, 2) and first.notif == b""
+    sim.finish_writes()
+    ids = sim.progress("t1", blocks=4, full=3)  # chunk 2 ends inside block 3
+    _, second = sim.writes["t1"]
+    assert second.src_blocks == ids[2:3]  # the split block waits for the next chunk
+    sim.finish_writes()
+    assert sim.chunks_sent == ["t1", "t1"]
+    assert sim.c.delivered == []  # never on a partial prefix
+    ids = sim.ready("t1", blocks=6, layers=1)  # the last step, layer by layer
+    _, last = sim.writes["t1"]
+    assert last.src_blocks == ids[3:6] and last.layers == (0, 1) and not last.notif
+    sim.finish_writes()
+    sim.ready("t1")
+    _, last = sim.writes["t1"]
+    assert last.src_blocks == ids[3:6] and last.layers == (1, 2) and last.notif
+    sim.settle()
+    assert sim.c.delivered == ["t1"]  # and the sim checked every block's source
+    sim.check()
+
+
+def test_a_late_registration_gets_every_completed_chunk_at_once():
+    sim = Sim()
+    sim.progress("t1", blocks=2, full=1)
+    sim.progress("t1", blocks=4, full=3)
+    sim.expect("t1", blocks=5)
+    sim.deliver()
+    _, post = sim.writes["t1"]
+    assert len(post.src_blocks) == 3
+    sim.finish_writes()
+    sim.ready("t1", blocks=5)
+    _, post = sim.writes["t1"]
+    assert len(post.src_blocks) == 2 and post.notif
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_the_last_step_waits_for_a_chunk_write_in_flight():
+    sim = Sim()
+    sim.expect("t1", blocks=4)
+    sim.deliver()
+    sim.progress("t1", blocks=2, full=2)
+    sim.ready("t1", blocks=4)  # the last step ends while chunk 1's WRITE is out
+    _, post = sim.writes["t1"]
+    assert len(post.src_blocks) == 2 and not post.notif
+    sim.finish_writes()
+    _, post = sim.writes["t1"]
+    assert len(post.src_blocks) == 2 and post.notif
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_chunks_skip_the_blocks_decode_has_cached():
+    sim = Sim()
+    sim.expect("t1", blocks=3, skip=2)  # decode holds the first two blocks already
+    sim.deliver()
+    sim.progress("t1", blocks=2, full=2)
+    assert not sim.writes  # nothing decode lacks is complete yet
+    ids = sim.progress("t1", blocks=4, full=4)
+    _, post = sim.writes["t1"]
+    assert post.src_blocks == ids[2:4] and post.dst_blocks == sim.c.expected["t1"][:2]
+    sim.finish_writes()
+    sim.ready("t1", blocks=5)
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_the_chunk_that_fills_decodes_last_block_delivers_it():
+    sim = Sim()
+    sim.expect("t1", blocks=2, skip=1)  # decode lacks only blocks 1-2 of 4
+    sim.deliver()
+    sim.progress("t1", blocks=3, full=3)
+    _, post = sim.writes["t1"]
+    assert post.notif  # the whole claim, so decode may go
+    sim.finish_writes()
+    sim.poll_notifs()
+    assert sim.c.delivered == ["t1"]
+    sim.ready("t1", blocks=4)
+    assert not sim.writes
+    sim.settle()
+    assert sim.released == {"t1": "sent"}
+    sim.check()
+
+
+def test_abort_between_chunks_releases_once_and_fails_decode():
+    sim = Sim()
+    sim.expect("t1", blocks=4)
+    sim.deliver()
+    sim.progress("t1", blocks=2, full=2)
+    sim.abort_producer("t1")  # the client left mid-prompt, its chunk WRITE in flight
+    assert "t1" not in sim.released  # not while the WRITE may read the blocks
+    sim.finish_writes()
+    sim.settle()
+    assert sim.c.failed == {"t1": "aborted"}
+    assert sim.released == {"t1": "aborted"}
+    sim.check()
+
+
+def test_decode_cancelling_between_chunks_ignores_the_rest_of_the_prompt():
+    sim = Sim()
+    sim.expect("t1", blocks=4)
+    sim.deliver()
+    sim.progress("t1", blocks=2, full=2)
+    sim.finish_writes()
+    sim.abort_consumer("t1")
+    sim.deliver()
+    assert sim.released == {"t1": "aborted"}
+    sim.progress("t1", blocks=3, full=3)  # prefill computes on: nothing more moves
+    sim.ready("t1", blocks=4)
+    assert not sim.writes
+    sim.settle()
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.check()  # released once, whatever came after
 
 
 # -- pull mode ----------------------------------------------------------------------

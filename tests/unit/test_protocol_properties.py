@@ -50,6 +50,7 @@ stray_message = st.one_of(
 event = st.one_of(
     st.tuples(st.just("expect"), tid, consumer, st.integers(0, 4), st.integers(0, 2)),
     st.tuples(st.just("ready"), tid, st.integers(0, 4), st.sampled_from([1, 2, None])),
+    st.tuples(st.just("progress"), tid, st.integers(0, 4), st.integers(0, 4)),
     st.tuples(st.just("pending"), tid),
     st.tuples(st.just("abort_c"), tid, consumer),
     st.tuples(st.just("abort_p"), tid),
@@ -72,10 +73,12 @@ def _play(sim: Sim, events: list[tuple]) -> set[str]:
     """Play the events; returns the transfers prefill started computing and has not
     finished or aborted (the engine will report their last layer eventually)."""
     expected: set[tuple[str, str]] = set()
-    # The engine's contract: layer reports in order, then a last one or an abort; after
-    # either, nothing more for that transfer.
+    # The engine's contract: chunk reports (progress) while the prompt is computed, then
+    # the last step's layer reports in order, then a last one or an abort; after either,
+    # nothing more for that transfer.
     ended: set[str] = set()
     computing: set[str] = set()
+    last_step: set[str] = set()
     for ev in events:
         kind = ev[0]
         if kind == "expect" and (ev[1], ev[2]) not in expected:
@@ -83,7 +86,11 @@ def _play(sim: Sim, events: list[tuple]) -> set[str]:
             sim.expect(ev[1], blocks=ev[3], consumer=ev[2], skip=ev[4])
         elif kind == "ready" and ev[1] not in ended:
             (ended if ev[3] is None else computing).add(ev[1])
+            last_step.add(ev[1])
             sim.ready(ev[1], blocks=ev[2], layers=ev[3])
+        elif kind == "progress" and ev[1] not in ended | last_step:
+            computing.add(ev[1])
+            sim.progress(ev[1], blocks=ev[2], full=min(ev[2], ev[3]))
         elif kind == "pending":
             sim.pending(ev[1])
         elif kind == "abort_c":

@@ -393,6 +393,106 @@ def test_a_prefill_preempted_before_its_last_chunk_just_resumes():
     assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (7, 8, 9))]
 
 
+def _chunked_side() -> SchedulerSide:
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({"push_granularity": "chunk"}), "engine-p", BLOCK, 1
+    )
+    side.set_handshakes({0: KVPushHandshake(0, 1, "10.0.0.5:7100", "e0", "agent-0")})
+    return side
+
+
+def test_chunk_granularity_reports_each_chunks_complete_blocks():
+    side = _chunked_side()
+    request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    # 200 tokens: block 0 complete, block 1 split by the chunk boundary.
+    meta = side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 200}))
+    ((progress,),) = (meta.progress,)
+    assert (progress.transfer_id, progress.block_ids, progress.full_blocks) == (
+        _tid(500),
+        (4, 5),
+        1,
+    )
+    meta = side.build_connector_meta(_step(cached=[("p1", [6], 200)], scheduled={"p1": 200}))
+    assert [(p.block_ids, p.full_blocks) for p in meta.progress] == [((4, 5, 6), 3)]
+    meta = side.build_connector_meta(_step(cached=[("p1", [7], 400)], scheduled={"p1": 100}))
+    assert meta.progress == []
+    assert [p.block_ids for p in meta.produces] == [(4, 5, 6, 7)]
+
+
+def test_layer_granularity_reports_nothing_before_the_last_chunk():
+    side = _side()
+    request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    meta = side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 200}))
+    assert meta.progress == [] and meta.produces == []
+
+
+def test_a_prefix_cache_hit_counts_as_complete_blocks_in_the_first_chunk():
+    side = _chunked_side()
+    request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    step = _step(new=[("p1", 500, [4, 5, 6], 256)], scheduled={"p1": 100})
+    assert [p.full_blocks for p in side.build_connector_meta(step).progress] == [2]
+
+
+def test_a_prefill_aborted_between_chunks_keeps_its_blocks_until_the_producer_lets_go():
+    side = _chunked_side()
+    request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
+    request.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert side.request_finished(request, [4, 5]) == (True, None)  # a WRITE may read them
+    assert side.build_connector_meta(_step()).aborts == [_tid(500)]
+    side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
+    assert side.state() == {"sending": 0, "producing": 0, "receiving": 0}
+
+
+def test_a_prefill_preempted_between_pushed_chunks_ends_its_transfer():
+    side = _chunked_side()
+    request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
+    preempting = _step()
+    preempting.preempted_req_ids = {"p1"}
+    assert side.build_connector_meta(preempting).aborts == [_tid(500)]
+    resumed = _step(cached=[("p1", [7, 8, 9, 10], 0)], scheduled={"p1": 500})
+    resumed.scheduled_cached_reqs.resumed_req_ids = {"p1"}
+    meta = side.build_connector_meta(resumed)
+    assert meta.produces == [] and meta.progress == []  # nothing more for that transfer
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(request, [7, 8, 9, 10]) == (True, None)
+
+
+def test_the_prefill_trace_notes_the_last_step_and_the_first_chunk_sent():
+    side = _chunked_side()
+    request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
+    sent = time.time()
+    side.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None,
+            finished_recving=None,
+            kv_connector_worker_meta=KVPushWorkerMeta(chunk_sent={"p1": sent}),
+        )
+    )
+    side.build_connector_meta(_step(cached=[("p1", [6, 7], 256)], scheduled={"p1": 244}))
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    side.request_finished(request, [4, 5, 6, 7])
+    side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
+    (trace,) = side.spans.trace()
+    assert trace["marks"]["chunk_sent"] == sent < trace["marks"]["last_step"]
+
+
+def test_worker_notes_from_every_rank_merge_to_the_latest():
+    a = KVPushWorkerMeta(landed={"d1": 1.0}, kv_ready={"d1": 0.5})
+    b = KVPushWorkerMeta(landed={"d1": 2.0, "d2": 3.0}, chunk_sent={"p1": 0.2})
+    merged = a.aggregate(b)
+    assert merged.landed == {"d1": 2.0, "d2": 3.0}
+    assert merged.kv_ready == {"d1": 0.5} and merged.chunk_sent == {"p1": 0.2}
+
+
 def _waiting_decode(side: SchedulerSide) -> None:
     request = _request("d1", 300, _decode_params())
     side.on_new_request(request)
