@@ -277,12 +277,22 @@ def summarize(
         "targets": targets,
         "passed": all(targets.values()),
         "examples": {
-            "hung": [r.index for r in records if r.outcome == HUNG][:10],
-            "wrong": [r.index for r in wrong][:10],
-            "unexplained": [(r.index, r.error) for r in unexplained][:10],
-            "not_naming_cause": [(r.index, r.error) for r in unnamed][:10],
+            "hung": [_example(r) for r in records if r.outcome == HUNG][:10],
+            "wrong": [_example(r) for r in wrong][:10],
+            "unexplained": [_example(r) for r in unexplained][:10],
+            "not_naming_cause": [_example(r) for r in unnamed][:10],
         },
     }
+
+
+def _example(record: Record) -> dict[str, Any]:
+    """A request that broke a target, in short: enough to find it in the logs."""
+    keep = ("endpoint", "stream", "n", "prompt_lens")
+    return {
+        "index": record.index, "sent_s": record.sent_s, "ended_s": record.ended_s,
+        "status": record.status, "error": record.error, "fault": record.fault,
+        **{k: record.request[k] for k in keep if k in record.request},
+    }  # fmt: skip
 
 
 def markdown(summary: dict[str, Any]) -> str:

@@ -152,7 +152,8 @@ def test_each_kind_of_trouble_fails_its_own_target():
     assert not any(summary["targets"].values()), summary["targets"]
     assert summary["wrong"] == 1 and summary["compared"] == 1
     assert summary["unexplained_failures"] == 1 and summary["failures_not_naming_cause"] == 2
-    assert summary["examples"]["hung"] == [1] and records[1].fault == 1
+    assert [e["index"] for e in summary["examples"]["hung"]] == [1] and records[1].fault == 1
+    assert summary["examples"]["unexplained"][0]["error"] == ROUTER_ERROR
     assert records[5].match is None
 
 
