@@ -102,6 +102,37 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return serve.main(settings, out, args.json)
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from kvpush.bench import faults, soak
+
+    settings = soak.Settings(
+        requests=args.requests,
+        rate=args.rate,
+        load=args.load,
+        prefill=args.prefill,
+        decode=args.decode,
+        faults=faults.parse_kinds(args.faults) if args.faults else faults.DEFAULT_FAULTS,
+        fault_interval_s=args.fault_interval,
+        max_faults=args.max_faults,
+        stop_s=args.stop_seconds,
+        grace_s=args.fault_grace,
+        disconnect_share=args.disconnect_share,
+        deadline_s=args.deadline,
+        router_timeout_s=args.router_timeout,
+        max_model_len=args.max_model_len,
+        policy=args.policy,
+        kv_extra=_json_object("--kv-extra", args.kv_extra),
+        model=Path(args.model) if args.model else None,
+        warm_up=args.warm_up,
+        seed=args.seed,
+    )
+    out = Path(args.out or f"kvpush-bench-soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    return soak.main(settings, out)
+
+
 def _json_object(option: str, text: str | None) -> dict:
     if not text:
         return {}
@@ -222,6 +253,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--out", help="output directory (default kvpush-bench-serve-<time>)")
     serve.set_defaults(run=_bench_serve)
+
+    soak = benches.add_parser(
+        "soak", help="real vLLM under a seeded mix and injected faults: nothing lost or leaked"
+    )
+    soak.add_argument("--requests", type=int, default=1000)
+    soak.add_argument("--rate", type=float, help="requests a second (default: from --load)")
+    soak.add_argument(
+        "--load", type=float, default=0.5, help="fraction of the warm-up's flat-out rate"
+    )
+    soak.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    soak.add_argument("--decode", type=int, default=1, help="decode instances")
+    soak.add_argument(
+        "--faults",
+        help="fault kinds, injected in turn, of kill-prefill, kill-decode, stop-prefill, "
+        "stop-decode, cut (default: kill-prefill,stop-decode,cut,kill-decode,stop-prefill)",
+    )
+    soak.add_argument(
+        "--fault-interval", type=float, default=120.0, help="seconds between faults (0: none)"
+    )
+    soak.add_argument("--max-faults", type=int, help="inject at most this many")
+    soak.add_argument(
+        "--stop-seconds", type=float, help="SIGSTOP this long (default: past the timers)"
+    )
+    soak.add_argument(
+        "--fault-grace", type=float, default=20.0, help="seconds a fault's window outlasts it"
+    )
+    soak.add_argument(
+        "--disconnect-share", type=float, default=0.05, help="clients that go away early"
+    )
+    soak.add_argument(
+        "--deadline", type=float, default=120.0, help="seconds before a request counts as hung"
+    )
+    soak.add_argument("--router-timeout", type=float, default=30.0, help="router --timeout")
+    soak.add_argument("--max-model-len", type=int, default=2048, help="the context limit")
+    soak.add_argument("--policy", choices=("fail", "recompute"), default="fail",
+                      help="decode's kv_load_failure_policy")  # fmt: skip
+    soak.add_argument("--kv-extra", metavar="JSON", help="more kvpush connector settings")
+    soak.add_argument("--model", help="a local model directory (default: the tiny model)")
+    soak.add_argument("--warm-up", type=int, default=16, help="warm-up requests")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--out", help="output directory (default kvpush-bench-soak-<time>)")
+    soak.set_defaults(run=_bench_soak)
 
     router = commands.add_parser(
         "router", help="OpenAI-compatible router sending prefill and decode legs"

@@ -1,4 +1,5 @@
-"""A server's whole process tree: the CPU it used, and which cores it may run on."""
+"""A server's whole process tree: the CPU it used, the memory and files it holds, and
+which cores it may run on."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ def tree_cpu_seconds(pid: int) -> float:
             times = process.cpu_times()
             total += times.user + times.system
     return total
+
+
+def tree_footprint(pid: int) -> tuple[int, int]:
+    """Resident bytes and open file descriptors of `pid` and every process below it
+    (shared pages count once per process: a trend, not an exact total)."""
+    rss = fds = 0
+    for process in tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            rss += process.memory_info().rss
+            fds += process.num_fds()
+    return rss, fds
 
 
 def pin_tree(pid: int, cpus: Iterable[int]) -> int:

@@ -16,6 +16,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,11 +150,7 @@ async def _decode_leg(
     async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
         if response.status != 200:
             return Outcome(False, error=f"HTTP {response.status}: {await response.text()}")
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if "error" in chunk:
                 return Outcome(False, error=str(chunk["error"]))
             for choice in chunk.get("choices", ()):
@@ -167,6 +164,22 @@ async def _decode_leg(
         return Outcome(False, error="the stream ended without a token")
     outcome.ttft = outcome.token_times[0]
     return outcome
+
+
+class StreamCut(aiohttp.ClientPayloadError):
+    """A stream ended without `data: [DONE]`: cut off, whatever it carried so far."""
+
+
+async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI server-sent-event stream, up to `data: [DONE]`;
+    StreamCut if the stream ends before that."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+    raise StreamCut("the stream ended without data: [DONE]")
 
 
 def percentile(values: list[float], q: float) -> float | None:

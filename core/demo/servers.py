@@ -134,6 +134,12 @@ class VllmServer:
             if _group_gone(process, wait):
                 break
 
+    def send_signal(self, sig: int) -> None:
+        """Signal every process of the server (SIGSTOP and SIGCONT: a frozen host)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
     def kill(self) -> None:
         """Crash the server on purpose (SIGKILL to every process): tests of peer death."""
         if self.process is not None:

@@ -417,12 +417,21 @@ class Router:
                 # Answer the client only once decode has produced something: until then a
                 # failed leg can still become a proper error status, or a retry.
                 chunks = response.content.iter_any()
-                first = await anext(chunks, b"")
+                head = b""
+                async for chunk in chunks:
+                    head += chunk
+                    if (word := _first_word(head)) is not None:
+                        break
+                else:
+                    word = None
+                if word and "error" in word:
+                    self.metrics.inc("leg_failures", leg="decode", why="error_event")
+                    raise _error_event(decode, word)
                 trace.mark("first_byte")
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
                 request[ANSWERED] = True
-                await stream.write(first)
+                await stream.write(head)
                 async for chunk in chunks:
                     await stream.write(chunk)
                 await stream.write_eof()
@@ -513,6 +522,47 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "no answer within the idle timeout"
     return str(exc) or type(exc).__name__
+
+
+def _first_word(head: bytes) -> dict[str, Any] | None:
+    """The first complete event of a stream's head that is more than chat's role
+    preamble: output, an error, or the end ({} for [DONE] or what is not JSON); None
+    while no such event has arrived in full."""
+    for block in head.split(b"\n\n")[:-1]:
+        for line in block.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            try:
+                event = json.loads(payload) if payload != b"[DONE]" else {}
+            except ValueError:
+                return {}  # not ours to judge: pass it on
+            if not isinstance(event, dict):
+                return {}
+            if not _role_only(event):
+                return event
+    return None
+
+
+def _role_only(event: dict[str, Any]) -> bool:
+    """Chat's first chunk: every choice's delta names the role and says nothing yet.
+    vLLM sends it before the engine has run, so it proves nothing about the leg."""
+    choices = event.get("choices")
+    return bool(choices) and all(
+        isinstance(c, dict)
+        and "delta" in c
+        and not c.get("finish_reason")
+        and {k for k, v in (c.get("delta") or {}).items() if v} <= {"role"}
+        for c in choices
+    )
+
+
+def _error_event(decode: Instance, event: dict[str, Any]) -> LegError:
+    """A decode stream whose first word is an error (vLLM's bare "Internal server
+    error" for a KV load that failed): the leg failed, as if it had said so by status."""
+    code = event["error"].get("code") if isinstance(event["error"], dict) else None
+    status = code if isinstance(code, int) and 400 <= code < 600 else 502
+    return LegError(status, _upstream_message(decode, json.dumps(event)), instance=decode)
 
 
 def _upstream_message(instance: Instance, text: str) -> str:

@@ -323,3 +323,54 @@ def test_a_data_parallel_prefill_has_each_leg_pinned_to_the_rank_its_decode_leg_
             await identity_runner.cleanup()
 
     run(scenario())
+
+
+def error_stream(preamble: list[dict]):
+    """vLLM's stream of a request that fails before its first token (a KV load failed
+    under kv_load_failure_policy "fail"): chat's role chunk, if any, then a bare error."""
+
+    async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                           "param": None, "code": 500}}  # fmt: skip
+        for event in [*preamble, error]:
+            await stream.write(f"data: {json.dumps(event)}\n\n".encode())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    return answer
+
+
+ROLE_CHUNK = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+
+
+@pytest.mark.parametrize("preamble", [[], [ROLE_CHUNK]], ids=["completion", "chat"])
+def test_a_stream_whose_decode_leg_fails_before_its_first_token_is_an_error_naming_decode(
+    preamble,
+):
+    """Found by the soak: the bare error event went to the client inside a 200 stream,
+    naming neither the instance nor the leg, and was never retried elsewhere."""
+
+    async def scenario():
+        prefill, decode = Fake(prefill_ok), Fake(error_stream(preamble))
+        _, runner, url = await _serve([prefill], [decode])
+        body = {"model": "m", "prompt": "p", "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 500, await r.text()
+                message = (await r.json())["error"]["message"]
+            assert message == f"decode instance {decode.url}: Internal server error"
+            other = await Fake(streaming(pieces=2, gap=0.0)).start()
+        await _close(runner, [prefill, decode])
+        # With another decode instance, the request is retried there and answered.
+        prefill, decode = Fake(prefill_ok), Fake(error_stream(preamble))
+        _, runner, url = await _serve([prefill], [decode, other])
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200 and (await r.text()).count("data: {") == 2
+        await _close(runner, [prefill, decode, other])
+
+    run(scenario())

@@ -1,0 +1,571 @@
+"""`kvpush bench soak`: a kvpush deployment on real vLLM under load and faults.
+
+It starts prefill and decode instances behind `kvpush router`, and beside them a
+plain vLLM instance (no connector) that idles through the run and answers every
+deterministic request afterwards: the reference. A warm-up measures what the
+deployment serves flat out; then `--requests` requests of a seeded mix (kvpush.bench.
+mix) arrive as a Poisson process at `--rate`, or at `--load` times that, while faults
+(kvpush.bench.faults) are injected every `--fault-interval` seconds. Each request
+ends one of four ways:
+
+  ok            answered; deterministic requests must equal the plain instance's answer
+  failed        an error (HTTP status, an error event, a cut stream) before its deadline;
+                it must fall in a fault's window and name its cause
+  disconnected  its client went away on purpose before the answer was complete
+  hung          no answer by `--deadline`: the worst outcome, never acceptable
+
+After the last request the instances go quiet, and each one's transfers in flight
+and blocks held (`/kvpush/state`), and its process tree's RSS and open files against
+their level after warm-up, are read.
+
+Out (in `--out`): requests.jsonl (a line per request, then a summary line),
+table.md, faults.log, logs/ (every server's and the router's log); a progress line
+on stderr while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvpush.bench import faults as faultlib
+from kvpush.bench import load, mix
+from kvpush.bench.cpu import tree_footprint
+from kvpush.errors import KVPushError
+from kvpush.protocol.config import ProtocolConfig
+
+OK, FAILED, HUNG, DISCONNECTED = "ok", "failed", "hung", "disconnected"
+# Short protocol timers, so that a stopped process outlives them within a fault
+# interval (the defaults are 30 s to 10 minutes).
+SOAK_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0,
+               "lease_s": 10.0, "registration_ttl_s": 10.0}  # fmt: skip
+RESOURCE_TOLERANCE = 0.10  # RSS and open files after the run: within 10 % of warm-up
+WARM_UP_CONCURRENCY = 8
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class Settings:
+    requests: int = 1000
+    rate: float | None = None  # requests a second; None: `load` times the warm-up's
+    load: float = 0.5  # fraction of the throughput measured flat out in warm-up
+    prefill: int = 1
+    decode: int = 1
+    faults: tuple[str, ...] = faultlib.DEFAULT_FAULTS
+    fault_interval_s: float = 120.0  # from the end of one fault to the next; 0: none
+    max_faults: int | None = None
+    stop_s: float | None = None  # SIGSTOP this long; None: past the decode watchdog
+    grace_s: float = 20.0  # a fault's window lasts this much longer than the fault
+    disconnect_share: float = 0.05
+    deadline_s: float = 120.0  # a request without an answer by then hung
+    router_timeout_s: float = 30.0  # the router's idle timeout per leg
+    max_model_len: int = 2048
+    policy: str = "fail"  # kv_load_failure_policy of decode
+    kv_extra: dict[str, Any] = field(default_factory=dict)  # more connector settings
+    model: Path | None = None  # None: the tiny model, built on the spot
+    warm_up: int = 16
+    quiesce_s: float = 60.0  # the longest to wait for every instance to go quiet
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or self.prefill < 1 or self.decode < 1:
+            raise KVPushError("a soak needs at least one request, prefill and decode")
+        if (self.rate is not None and self.rate <= 0) or self.load <= 0:
+            raise KVPushError("--rate and --load must be positive")
+        if self.fault_interval_s > 0 and not self.faults:
+            raise KVPushError("faults every --fault-interval, but no --faults kinds")
+
+    @property
+    def connector(self) -> dict[str, Any]:
+        """The kvpush connector settings of every instance: short timers, then yours."""
+        return {**SOAK_TIMERS, **self.kv_extra}
+
+    @property
+    def stop_seconds(self) -> float:
+        """Past the protocol's timers: the longest a side waits for its peer, and a
+        WRITE's grace after it."""
+        if self.stop_s is not None:
+            return self.stop_s
+        c = {**asdict(ProtocolConfig()), **self.connector}
+        longest = max(c["watchdog_s"], c["lease_s"], c["registration_ttl_s"])
+        return longest + c["write_grace_s"] + 2.0
+
+
+@dataclass
+class Record:
+    """One request as the client saw it (times in seconds since the run started)."""
+
+    index: int
+    request: dict[str, Any]  # Shape.describe()
+    sent_s: float
+    ended_s: float
+    outcome: str
+    status: int = 0
+    error: str = ""
+    openai_error: bool = False  # the error came as {"error": {"message": ...}}
+    answer: list[str] = field(default_factory=list)  # each choice's text, by index
+    match: bool | None = None  # equal to the plain instance's (deterministic, ok only)
+    fault: int | None = None  # the fault whose window explains a failure
+    cause_named: bool | None = None  # a failure's error names what failed
+
+    def as_json(self) -> str:
+        return json.dumps({"type": "request", **asdict(self)})
+
+
+@dataclass
+class Instance:
+    """One kvpush server after the run, against itself after warm-up."""
+
+    name: str
+    role: str
+    restarts: int
+    state: dict[str, Any]  # /kvpush/state after quiescence
+    rss_mib: tuple[float, float]  # after warm-up, after the run
+    fds: tuple[int, int]
+
+    @property
+    def quiet(self) -> bool:
+        return set(self.state) == {"sending", "producing", "receiving"} and not any(
+            self.state.values()
+        )
+
+    @property
+    def within_tolerance(self) -> bool:
+        (rss0, rss1), (fds0, fds1) = self.rss_mib, self.fds
+        limit = 1 + RESOURCE_TOLERANCE
+        return rss1 <= rss0 * limit and fds1 <= fds0 * limit
+
+
+# -- one request ----------------------------------------------------------------------
+
+
+async def exchange(
+    session: aiohttp.ClientSession, url: str, shape: mix.Shape
+) -> tuple[str, int, str, bool, list[str]]:
+    """Send one request and read its answer to the end: outcome, HTTP status, error,
+    whether the error was OpenAI-shaped, and each choice's text."""
+    texts: dict[int, str] = {}
+    try:
+        async with session.post(url + shape.path, json=shape.body) as response:
+            if response.status != 200:
+                error, shaped = _error_of(await response.text())
+                return FAILED, response.status, error, shaped, []
+            if shape.stream:
+                async for chunk in load.sse_chunks(response):
+                    if "error" in chunk:
+                        error, shaped = _error_of(json.dumps(chunk))
+                        return FAILED, response.status, error, shaped, []
+                    for choice in chunk.get("choices", ()):
+                        piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+            else:
+                for choice in json.loads(await response.text())["choices"]:
+                    text = choice.get("text")
+                    texts[choice["index"]] = text if text is not None else _content(choice)
+    except (aiohttp.ClientError, ValueError, KeyError) as exc:
+        return FAILED, 0, f"{type(exc).__name__}: {exc}", False, []
+    return OK, 200, "", False, [texts[i] for i in sorted(texts)]
+
+
+def _content(choice: dict[str, Any]) -> str:
+    return (choice.get("message") or {}).get("content") or ""
+
+
+def _error_of(text: str) -> tuple[str, bool]:
+    """An error body's message, and whether it was OpenAI's shape."""
+    try:
+        error = json.loads(text)["error"]
+        message = error["message"] if isinstance(error, dict) else str(error)
+        return str(message)[:500], isinstance(error, dict) and bool(message)
+    except (ValueError, KeyError, TypeError):
+        return text[:500], False
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, shape: mix.Shape, deadline_s: float,
+    clock: Any,
+) -> Record:  # fmt: skip
+    """One request of the soak, with its client's deadline and, for a client that
+    goes away, its disconnect."""
+    sent = clock()
+    leave = shape.disconnect_after_s
+    wait = deadline_s if leave is None else min(leave, deadline_s)
+    try:
+        outcome, status, error, shaped, answer = await asyncio.wait_for(
+            exchange(session, url, shape), wait
+        )
+    except asyncio.TimeoutError:
+        if leave is not None and leave < deadline_s:
+            outcome, status, error, shaped, answer = DISCONNECTED, 0, "", False, []
+        else:
+            outcome, status, shaped, answer = HUNG, 0, False, []
+            error = f"no answer within the {deadline_s:g}s deadline"
+    return Record(
+        shape.index, shape.describe(), round(sent, 3), round(clock(), 3), outcome, status,
+        error, shaped, answer,
+    )  # fmt: skip
+
+
+# -- verdicts (pure) --------------------------------------------------------------------
+
+
+def explain(records: list[Record], faults: list[faultlib.Fault], grace_s: float) -> None:
+    """Give each failed or hung request the fault whose window it was in flight in,
+    and say whether its error names the cause."""
+    for record in records:
+        if record.outcome not in (FAILED, HUNG):
+            continue
+        fault = faultlib.attribute(record.sent_s, record.ended_s, faults, grace_s)
+        record.fault = None if fault is None else fault.id
+        record.cause_named = record.openai_error and faultlib.names_cause(record.error)
+
+
+def compare(records: list[Record], reference: dict[int, list[str] | None]) -> None:
+    """Mark each answered deterministic request equal or not to the plain instance's
+    answer (`reference`, by request index; None where the plain instance failed)."""
+    for record in records:
+        if record.index in reference and record.outcome == OK:
+            want = reference[record.index]
+            record.match = None if want is None else record.answer == want
+
+
+def summarize(
+    records: list[Record], faults: list[faultlib.Fault], instances: list[Instance],
+    seconds: float, rate: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The run in one object: counts, the issue's targets each true or false, and
+    examples of whatever broke one."""
+    outcomes = Counter(r.outcome for r in records)
+    failed = [r for r in records if r.outcome == FAILED]
+    wrong = [r for r in records if r.match is False]
+    unexplained = [r for r in failed if r.fault is None]
+    unnamed = [r for r in failed if not r.cause_named]
+    targets = {
+        "no_hung_requests": outcomes[HUNG] == 0,
+        "no_wrong_answers": not wrong,
+        "every_failure_in_a_fault_window": not unexplained,
+        "every_failure_names_its_cause": not unnamed,
+        "nothing_in_flight_or_held": all(i.quiet for i in instances),
+        "rss_and_fds_within_10pct": all(i.within_tolerance for i in instances),
+    }
+    return {
+        "type": "summary",
+        "requests": len(records),
+        "seconds": round(seconds, 1),
+        "rate": round(rate, 3),
+        "outcomes": {k: outcomes[k] for k in (OK, FAILED, DISCONNECTED, HUNG)},
+        "compared": sum(r.match is not None for r in records),
+        "wrong": len(wrong),
+        "unexplained_failures": len(unexplained),
+        "failures_not_naming_cause": len(unnamed),
+        "failures_by_fault": dict(Counter(str(r.fault) for r in failed if r.fault is not None)),
+        "faults": [f.as_dict() for f in faults],
+        "instances": [
+            {**asdict(i), "quiet": i.quiet, "within_tolerance": i.within_tolerance}
+            for i in instances
+        ],
+        "targets": targets,
+        "passed": all(targets.values()),
+        "examples": {
+            "hung": [_example(r) for r in records if r.outcome == HUNG][:10],
+            "wrong": [_example(r) for r in wrong][:10],
+            "unexplained": [_example(r) for r in unexplained][:10],
+            "not_naming_cause": [_example(r) for r in unnamed][:10],
+        },
+    }
+
+
+def _example(record: Record) -> dict[str, Any]:
+    """A request that broke a target, in short: enough to find it in the logs."""
+    keep = ("endpoint", "stream", "n", "prompt_lens")
+    return {
+        "index": record.index, "sent_s": record.sent_s, "ended_s": record.ended_s,
+        "status": record.status, "error": record.error, "fault": record.fault,
+        **{k: record.request[k] for k in keep if k in record.request},
+    }  # fmt: skip
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The summary as two short tables and the fault list."""
+    o = summary["outcomes"]
+    skipped = sum(f["skipped"] for f in summary["faults"])
+    lines = [
+        "| requests | ok | failed | disconnected | hung | wrong / compared | unexplained "
+        "| cause not named | faults (skipped) | rate /s | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {summary['requests']} | {o[OK]} | {o[FAILED]} | {o[DISCONNECTED]} | {o[HUNG]} "
+        f"| {summary['wrong']} / {summary['compared']} | {summary['unexplained_failures']} "
+        f"| {summary['failures_not_naming_cause']} | {len(summary['faults'])} ({skipped}) "
+        f"| {summary['rate']:g} | {summary['seconds']:g} |",
+        "",
+        "| instance | role | restarts | sending | producing | receiving | RSS MiB warm-up → end "
+        "| open files warm-up → end |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i in summary["instances"]:
+        state = i["state"]
+        (rss0, rss1), (fds0, fds1) = i["rss_mib"], i["fds"]
+        lines.append(
+            f"| {i['name']} | {i['role']} | {i['restarts']} | {state.get('sending', '?')} "
+            f"| {state.get('producing', '?')} | {state.get('receiving', '?')} "
+            f"| {rss0:.0f} → {rss1:.0f} | {fds0} → {fds1} |"
+        )
+    lines.append("")
+    lines += [f"- fault {faultlib.Fault(**f).line()}" for f in summary["faults"]]
+    lines.append("")
+    lines += [f"- {'PASS' if ok else 'FAIL'} {name}" for name, ok in summary["targets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+class Soak:
+    """One soak: its deployment, load, faults and report, written to `out`."""
+
+    def __init__(self, settings: Settings, out: Path) -> None:
+        self.settings = settings
+        self.out = out
+        self.records: list[Record] = []
+        self.faults: list[faultlib.Fault] = []
+        self.fault_log: list[str] = []
+        self._started = time.monotonic()
+        self._sent = 0
+        self._now_fault = ""
+
+    def clock(self) -> float:
+        return time.monotonic() - self._started
+
+    def run(self) -> dict[str, Any]:
+        from kvpush.demo.cluster import Cluster
+        from kvpush.demo.tinymodel import cached_tiny_model
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix="kvpush-soak-"))
+        self.cluster = Cluster(workdir, self.settings.model or cached_tiny_model())
+        try:
+            self._say("starting the servers")
+            router = self._deploy()
+            summary = asyncio.run(self._soak(router))
+        finally:
+            self.cluster.stop()
+            self._keep_logs(workdir)
+            shutil.rmtree(workdir, ignore_errors=True)
+            self._say("")
+        self._write(summary)
+        return summary
+
+    def _deploy(self) -> str:
+        s, cluster = self.settings, self.cluster
+        self.prefill = [f"prefill{i}" for i in range(s.prefill)]
+        self.decode = [f"decode{i}" for i in range(s.decode)]
+        # Prefill on core 0 and decode on core 1, as the e2e tests place them; the
+        # reference idles through the run, on core 0.
+        for name in self.prefill:
+            cluster.add_server(name, "kv_producer", core=0, **s.connector)
+        for name in self.decode:
+            cluster.add_server(name, "kv_consumer", core=1, policy=s.policy, **s.connector)
+        cluster.add_server(PLAIN, None, core=0)
+        for server in cluster.servers.values():
+            server.spec.max_model_len = s.max_model_len
+        cluster.start()
+        return cluster.start_router(self.prefill, self.decode, timeout_s=s.router_timeout_s)
+
+    async def _soak(self, router: str) -> dict[str, Any]:
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
+            self._say("warming up")
+            flat_out = await self._warm_up(session, router)
+            rate = s.rate or s.load * flat_out
+            await asyncio.to_thread(self._quiesce)
+            baseline = {name: self._footprint(name) for name in self.prefill + self.decode}
+            shapes = mix.mix(s.requests, s.seed, s.max_model_len, s.disconnect_share)
+            started = self.clock()
+            await self._load(session, router, shapes, rate)
+            seconds = self.clock() - started
+            states = await asyncio.to_thread(self._quiesce)
+            await asyncio.sleep(2.0)  # let freed memory and closed sockets settle
+            instances = [self._instance(name, baseline, states) for name in states]
+            self._say("asking the plain instance")
+            reference = await self._reference(session, shapes)
+        compare(self.records, reference)
+        explain(self.records, self.faults, s.grace_s)
+        return summarize(self.records, self.faults, instances, seconds, rate)
+
+    async def _warm_up(self, session: aiohttp.ClientSession, router: str) -> float:
+        """Send the warm-up mix eight at a time: requests a second, flat out. Every
+        warm-up request must succeed: a deployment that cannot serve is no soak."""
+        s = self.settings
+        shapes = mix.mix(s.warm_up, s.seed + 1, s.max_model_len, disconnect_share=0.0)
+        gate = asyncio.Semaphore(WARM_UP_CONCURRENCY)
+
+        async def one(shape: mix.Shape) -> Record:
+            async with gate:
+                return await send(session, router, shape, s.deadline_s, self.clock)
+
+        started = time.monotonic()
+        records = await asyncio.gather(*(one(shape) for shape in shapes))
+        broken = [r for r in records if r.outcome != OK]
+        if broken:
+            raise KVPushError(f"warm-up failed, no soak: {broken[0].outcome} {broken[0].error}")
+        return len(records) / (time.monotonic() - started)
+
+    async def _load(
+        self, session: aiohttp.ClientSession, router: str, shapes: list[mix.Shape], rate: float
+    ) -> None:
+        """Every request at its arrival time, faults meanwhile; back once every request
+        has ended and the fault in progress (if any) is over."""
+        s = self.settings
+        send_at = load.arrivals(len(shapes), rate, s.seed)
+        start = time.monotonic()
+
+        async def one(shape: mix.Shape, at: float) -> None:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            self._sent += 1
+            self.records.append(await send(session, router, shape, s.deadline_s, self.clock))
+
+        done = asyncio.Event()
+        injecting = asyncio.ensure_future(self._inject(done))
+        showing = asyncio.ensure_future(self._progress(len(shapes)))
+        try:
+            await asyncio.gather(*(one(sh, at) for sh, at in zip(shapes, send_at, strict=True)))
+        finally:
+            done.set()
+            await injecting
+            showing.cancel()
+        self.records.sort(key=lambda r: r.index)
+
+    async def _inject(self, done: asyncio.Event) -> None:
+        s = self.settings
+        if s.fault_interval_s <= 0:
+            return
+        injector = faultlib.Injector(self.cluster, s.stop_seconds, self.clock)
+        pick = faultlib.schedule(s.faults, self.prefill, self.decode, s.seed)
+        while s.max_faults is None or len(self.faults) < s.max_faults:
+            try:
+                await asyncio.wait_for(done.wait(), s.fault_interval_s)
+                return  # the load is over
+            except asyncio.TimeoutError:
+                pass
+            kind, target = pick(len(self.faults))
+            fault = faultlib.Fault(len(self.faults) + 1, kind, target, self.clock())
+            self.faults.append(fault)
+            self._now_fault = f"{kind} {target}"
+            await injector.inject(fault)
+            self._now_fault = ""
+            self._log_fault(fault)
+
+    def _log_fault(self, fault: faultlib.Fault) -> None:
+        line = fault.line()
+        self.fault_log.append(line)
+        if fault.skipped:  # loudly: a soak that could not inject a fault proved less
+            print(f"\nkvpush bench soak: FAULT SKIPPED {line}", file=sys.stderr)
+
+    async def _progress(self, total: int) -> None:
+        tty = sys.stderr.isatty()
+        while True:
+            await asyncio.sleep(1.0 if tty else 15.0)
+            counts = Counter(r.outcome for r in self.records)
+            line = (
+                f"soak {self.clock():.0f}s: sent {self._sent}/{total}, ended {len(self.records)}"
+                f" (ok {counts[OK]}, failed {counts[FAILED]}, disconnected {counts[DISCONNECTED]}"
+                f", hung {counts[HUNG]}), faults {len(self.faults)}"
+                + (f", now: {self._now_fault}" if self._now_fault else "")
+            )
+            self._say(line)
+
+    def _say(self, text: str) -> None:
+        if sys.stderr.isatty():
+            print(f"\r{text[:150]:<150}", end="" if text else "\r", file=sys.stderr, flush=True)
+        elif text:
+            print(f"kvpush bench soak: {text}", file=sys.stderr, flush=True)
+
+    def _quiesce(self) -> dict[str, dict[str, Any]]:
+        """Each kvpush instance's /kvpush/state once all are quiet, or as they are when
+        `quiesce_s` runs out."""
+        names = self.prefill + self.decode
+        deadline = time.monotonic() + self.settings.quiesce_s
+        while True:
+            states = {name: self._state(name) for name in names}
+            quiet = all("error" not in st and not any(st.values()) for st in states.values())
+            if quiet or time.monotonic() > deadline:
+                return states
+            time.sleep(0.5)
+
+    def _state(self, name: str) -> dict[str, Any]:
+        import urllib.request
+
+        try:
+            url = self.cluster.identity_url(name) + "/kvpush/state"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError) as exc:
+            return {"error": str(exc)}
+
+    def _footprint(self, name: str) -> tuple[float, int]:
+        process = self.cluster.servers[name].process
+        if process is None:
+            return 0.0, 0
+        rss, fds = tree_footprint(process.pid)
+        return round(rss / 2**20, 1), fds
+
+    def _instance(
+        self, name: str, baseline: dict[str, tuple[float, int]], states: dict[str, dict]
+    ) -> Instance:
+        (rss0, fds0), (rss1, fds1) = baseline[name], self._footprint(name)
+        restarts = sum(1 for f in self.faults if f.target == name and f.kind.startswith("kill"))
+        role = "prefill" if name in self.prefill else "decode"
+        return Instance(name, role, restarts, states[name], (rss0, rss1), (fds0, fds1))
+
+    async def _reference(
+        self, session: aiohttp.ClientSession, shapes: list[mix.Shape]
+    ) -> dict[int, list[str] | None]:
+        """The plain instance's answer to each deterministic request that was answered,
+        eight at a time; None where it failed too."""
+        url = self.cluster.servers[PLAIN].url
+        answered = {r.index for r in self.records if r.outcome == OK}
+        wanted = [s for s in shapes if s.deterministic and s.index in answered]
+        gate = asyncio.Semaphore(8)
+
+        async def one(shape: mix.Shape) -> tuple[int, list[str] | None]:
+            async with gate:
+                outcome, _, _, _, answer = await exchange(session, url, shape)
+                return shape.index, answer if outcome == OK else None
+
+        return dict(await asyncio.gather(*(one(shape) for shape in wanted)))
+
+    def _keep_logs(self, workdir: Path) -> None:
+        logs = self.out / "logs"
+        logs.mkdir(exist_ok=True)
+        for path in workdir.glob("*.log"):
+            shutil.copy(path, logs / path.name)
+        for path in workdir.glob("*/server.log"):
+            shutil.copy(path, logs / f"{path.parent.name}.log")
+
+    def _write(self, summary: dict[str, Any]) -> None:
+        with (self.out / "requests.jsonl").open("w") as lines:
+            for record in self.records:
+                lines.write(record.as_json() + "\n")
+            lines.write(json.dumps(summary) + "\n")
+        (self.out / "table.md").write_text(markdown(summary))
+        (self.out / "faults.log").write_text("\n".join(self.fault_log) + "\n")
+
+
+def main(settings: Settings, out: Path) -> int:
+    summary = Soak(settings, out).run()
+    print(markdown(summary))
+    print(f"kvpush bench soak: results in {out}", file=sys.stderr)
+    return 0 if summary["passed"] else 1
