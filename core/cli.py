@@ -102,6 +102,26 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return serve.main(settings, out, args.json)
 
 
+def _bench_handoff(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from kvpush.bench import handoff, serve
+
+    settings = handoff.Settings(
+        lengths=serve.parse_list(args.lengths, int),
+        granularities=tuple(g for g in args.granularities.split(",") if g),
+        requests=args.requests,
+        step_tokens=args.step_tokens,
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
+        model=Path(args.model) if args.model else None,
+        seed=args.seed,
+    )
+    out = Path(args.out or f"kvpush-bench-handoff-{time.strftime('%Y%m%d-%H%M%S')}")
+    return handoff.main(settings, out, args.json)
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
@@ -253,6 +273,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--out", help="output directory (default kvpush-bench-serve-<time>)")
     serve.set_defaults(run=_bench_serve)
+
+    handoff = benches.add_parser(
+        "handoff",
+        help="real vLLM, chunked prefill: what of the KV hand-off is left after prefill "
+        "computed, per push granularity",
+    )
+    handoff.add_argument("--json", action="store_true", help="one JSON object per row")
+    handoff.add_argument("--lengths", default="512,8192", help="prompt lengths in tokens")
+    handoff.add_argument("--granularities", default="request,layer,chunk")
+    handoff.add_argument(
+        "--requests", type=int, default=6, help="prompts per length, one at a time"
+    )
+    handoff.add_argument(
+        "--step-tokens", type=int, default=1024, help="vLLM's --max-num-batched-tokens (chunk size)"
+    )
+    handoff.add_argument("--prefill-cpus", default="0")
+    handoff.add_argument("--decode-cpus", default="1")
+    handoff.add_argument(
+        "--model", help="a local model directory (default: the KV-heavy tiny model)"
+    )
+    handoff.add_argument("--seed", type=int, default=0)
+    handoff.add_argument("--out", help="output directory (default kvpush-bench-handoff-<time>)")
+    handoff.set_defaults(run=_bench_handoff)
 
     soak = benches.add_parser(
         "soak", help="real vLLM under a seeded mix and injected faults: nothing lost or leaked"

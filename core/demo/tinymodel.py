@@ -27,13 +27,31 @@ SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 32,  # the smallest head size vLLM's CPU attention supports
 }
+# KV-heavy: as many KV heads as query heads, so a token's KV (2 layers x K and V x 32
+# heads x 32 x 4 bytes = 16 KiB) is large next to its compute. For moving KV, not
+# for quality: what `kvpush bench handoff` measures.
+KV_HEAVY = {**SHAPE, "num_attention_heads": 32, "num_key_value_heads": 32}
 STAMP = "kvpush-tiny-model.json"
 
 
 def cached_tiny_model() -> Path:
     """The tiny model in the user's cache, built there on first use."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush"
-    return build_tiny_model(cache / "tiny-model")
+    return build_tiny_model(_cache() / "tiny-model")
+
+
+def cached_kv_heavy_model() -> Path:
+    """The KV-heavy tiny model (16 KiB of KV per token, 16k positions), cached alike."""
+    return build_tiny_model(_cache() / "kv-heavy-model", shape=KV_HEAVY, positions=16384)
+
+
+def kv_bytes_per_token(shape: dict[str, int], dtype_bytes: int = 4) -> int:
+    """K and V of every layer for one token."""
+    per_layer = 2 * shape["num_key_value_heads"] * shape["head_dim"] * dtype_bytes
+    return shape["num_hidden_layers"] * per_layer
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush"
 
 
 def _sentences(seed: int, count: int = 3000) -> list[str]:
@@ -47,21 +65,30 @@ def _sentences(seed: int, count: int = 3000) -> list[str]:
     ]
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, init_std: float = 0.08) -> Path:
+def build_tiny_model(
+    path: str | Path,
+    seed: int = 0,
+    init_std: float = 0.08,
+    shape: dict[str, int] | None = None,
+    positions: int = 4096,
+) -> Path:
     """Write the model and tokenizer into `path` (reused if already built the same way)."""
     path = Path(path)
-    recipe = {"seed": seed, "init_std": init_std, "vocab": VOCAB, **SHAPE}
+    shape = shape or SHAPE
+    recipe = {"seed": seed, "init_std": init_std, "vocab": VOCAB, **shape}
+    if positions != 4096:
+        recipe["positions"] = positions  # (so the default model's stamp is unchanged)
     stamp = path / STAMP
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(path, seed)
-    _build_weights(path, tokenizer, seed, init_std)
+    tokenizer = _build_tokenizer(path, seed, positions)
+    _build_weights(path, tokenizer, seed, init_std, shape, positions)
     stamp.write_text(json.dumps(recipe))
     return path
 
 
-def _build_tokenizer(path: Path, seed: int):
+def _build_tokenizer(path: Path, seed: int, positions: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -80,26 +107,28 @@ def _build_tokenizer(path: Path, seed: int):
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        model_max_length=4096,
+        model_max_length=positions,
         chat_template=CHAT_TEMPLATE,
     )
     tokenizer.save_pretrained(path)
     return tokenizer
 
 
-def _build_weights(path: Path, tokenizer, seed: int, init_std: float) -> None:
+def _build_weights(
+    path: Path, tokenizer, seed: int, init_std: float, shape: dict[str, int], positions: int
+) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,
-        max_position_embeddings=4096,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
-        **SHAPE,
+        **shape,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
