@@ -48,9 +48,10 @@ class ConnectorConfig:
     secret: shared secret for message authentication (default $KVPUSH_SECRET).
     push_granularity: when a producer's KV leaves for decode (push mode):
         "request": all of it once the prompt's last step ends;
-        "layer" (default): in that last step, each layer as the forward pass writes it;
-        "chunk": also, with chunked prefill, each earlier step's completed blocks as
-        that step ends, so the last step moves only its own (docs/protocol.md).
+        "layer": in that last step, each layer as the forward pass writes it;
+        "chunk" (default): also, with chunked prefill, each earlier step's completed
+        blocks as that step ends, so the last step moves only its own (the same as
+        "layer" for a prompt computed in one step; docs/protocol.md).
     idle_wait_s: longest an engine step that has nothing to compute but transfers to
         wait for sleeps until a transfer ends (default 0.02; 0 turns the wait off).
     park_workers: let an idle worker sleep on its step queue instead of spinning
@@ -68,7 +69,7 @@ class ConnectorConfig:
     identity_port: int = 0
     bootstrap_port: int = 0
     secret: str | None = None
-    push_granularity: str = "layer"
+    push_granularity: str = "chunk"
     idle_wait_s: float = 0.02
     park_workers: bool = True
     nixl_backends: tuple[str, ...] = ()

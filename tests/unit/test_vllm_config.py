@@ -22,7 +22,7 @@ def test_secret_comes_from_config_or_environment(monkeypatch):
 def test_push_granularity_is_checked_and_names_the_choices():
     from kvpush.vllm.config import ConnectorConfig
 
-    assert ConnectorConfig.from_extra({}).push_granularity == "layer"
+    assert ConnectorConfig.from_extra({}).push_granularity == "chunk"
     chunk = ConnectorConfig.from_extra({"push_granularity": "chunk"})
     assert chunk.progressive and chunk.layerwise
     assert not ConnectorConfig.from_extra({"push_granularity": "chunk", "mode": "pull"}).progressive

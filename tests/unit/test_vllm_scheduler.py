@@ -23,8 +23,9 @@ from kvpush.vllm.wake import Ringer
 BLOCK = 128
 
 
-def _side(mode: str = "push") -> SchedulerSide:
-    side = SchedulerSide(ConnectorConfig.from_extra({"mode": mode}), "engine-p", BLOCK, 1)
+def _side(mode: str = "push", granularity: str = "chunk") -> SchedulerSide:
+    extra = {"mode": mode, "push_granularity": granularity}
+    side = SchedulerSide(ConnectorConfig.from_extra(extra), "engine-p", BLOCK, 1)
     side.set_handshakes({0: KVPushHandshake(0, 1, "10.0.0.5:7100", "e0", "agent-0")})
     return side
 
@@ -379,8 +380,8 @@ def test_a_prefill_preempted_while_its_kv_is_sent_ends_that_transfer_and_sends_n
     assert side.state() == {"sending": 0, "producing": 0, "receiving": 0}
 
 
-def test_a_prefill_preempted_before_its_last_chunk_just_resumes():
-    side = _side()
+def test_under_layer_granularity_a_prefill_preempted_before_its_last_chunk_just_resumes():
+    side = _side(granularity="layer")
     request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     side.build_connector_meta(_step(new=[("p1", 300, [4, 5], 0)], scheduled={"p1": 200}))
@@ -393,16 +394,8 @@ def test_a_prefill_preempted_before_its_last_chunk_just_resumes():
     assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (7, 8, 9))]
 
 
-def _chunked_side() -> SchedulerSide:
-    side = SchedulerSide(
-        ConnectorConfig.from_extra({"push_granularity": "chunk"}), "engine-p", BLOCK, 1
-    )
-    side.set_handshakes({0: KVPushHandshake(0, 1, "10.0.0.5:7100", "e0", "agent-0")})
-    return side
-
-
 def test_chunk_granularity_reports_each_chunks_complete_blocks():
-    side = _chunked_side()
+    side = _side()
     request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     # 200 tokens: block 0 complete, block 1 split by the chunk boundary.
@@ -421,7 +414,7 @@ def test_chunk_granularity_reports_each_chunks_complete_blocks():
 
 
 def test_layer_granularity_reports_nothing_before_the_last_chunk():
-    side = _side()
+    side = _side(granularity="layer")
     request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     meta = side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 200}))
@@ -429,7 +422,7 @@ def test_layer_granularity_reports_nothing_before_the_last_chunk():
 
 
 def test_a_prefix_cache_hit_counts_as_complete_blocks_in_the_first_chunk():
-    side = _chunked_side()
+    side = _side()
     request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     step = _step(new=[("p1", 500, [4, 5, 6], 256)], scheduled={"p1": 100})
@@ -437,7 +430,7 @@ def test_a_prefix_cache_hit_counts_as_complete_blocks_in_the_first_chunk():
 
 
 def test_a_prefill_aborted_between_chunks_keeps_its_blocks_until_the_producer_lets_go():
-    side = _chunked_side()
+    side = _side()
     request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
@@ -449,7 +442,7 @@ def test_a_prefill_aborted_between_chunks_keeps_its_blocks_until_the_producer_le
 
 
 def test_a_prefill_preempted_between_pushed_chunks_ends_its_transfer():
-    side = _chunked_side()
+    side = _side()
     request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
@@ -465,7 +458,7 @@ def test_a_prefill_preempted_between_pushed_chunks_ends_its_transfer():
 
 
 def test_the_prefill_trace_notes_the_last_step_and_the_first_chunk_sent():
-    side = _chunked_side()
+    side = _side()
     request = _request("p1", 500, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.on_new_request(request)
     side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
