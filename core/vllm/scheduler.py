@@ -102,6 +102,7 @@ class SchedulerSide:
         self._announced: dict[str, str] = {}  # decode request id -> transfer id, not allocated
         self._consuming: dict[str, str] = {}  # decode request id -> transfer id, allocated
         self._followers: dict[str, str] = {}  # decode request id -> its sibling 0's
+        self._failed_loads: set[str] = set()  # decode requests whose KV load failed
         self._local_hits: dict[str, int] = {}
         self._learnt_from: dict[str, str] = {}  # decode request id -> bootstrap address
         self._rejected: dict[str, str] = {}
@@ -299,6 +300,7 @@ class SchedulerSide:
         self.spans.mark(request_id, "finished")
         self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
         self._followers.pop(request_id, None)
+        self._failed_loads.discard(request_id)
         tid = self._consuming.pop(request_id, None)
         if tid is not None:
             # Finished before its KV arrived (aborted): the worker settles the transfer
@@ -323,11 +325,15 @@ class SchedulerSide:
             self.spans.mark(request_id, "released")
         failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
+            self.spans.mark(request_id, "reported")
             transfer = self._consuming.pop(request_id, None)
             learnt_from = self._learnt_from.pop(request_id, None)
             if request_id not in failed:
                 self.spans.mark(request_id, "landed")  # if no worker stamped it
                 continue
+            self._failed_loads.add(request_id)
+            for follower in [f for f, leader in self._followers.items() if leader == request_id]:
+                self._sibling_failed(follower, request_id)
             if learnt_from is not None:
                 self.bootstrap.forget(learnt_from)
             if transfer is not None and self.recompute_on_failure:
@@ -416,10 +422,25 @@ class SchedulerSide:
             # copy for it too, let it go at once.
             self._followers[request_id] = leader
             self._decline(tid, params)
+            if leader in self._failed_loads:
+                self._sibling_failed(request_id, leader)
             return
         self._announced[request_id] = tid
         self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
         self.spans.begin(request_id, "decode", params["transfer_id"])
+
+    def _sibling_failed(self, follower: str, leader: str) -> None:
+        """The sibling bringing this prompt's KV failed to load it. Under the fail
+        policy this one fails too: computing the prompt here is what the policy
+        refuses (and on vLLM's CPU build, a seeded prompt computed in chunks kills the
+        engine). Under recompute it computes the prompt here, as its sibling will."""
+        if self.recompute_on_failure:
+            return
+        del self._followers[follower]
+        self._rejected[follower] = (
+            f"its sibling {leader} (same prompt, n > 1 or a repeated list prompt) failed "
+            "to load the prompt's KV, and kv_load_failure_policy is fail"
+        )
 
     def _learn_producer(self, request_id: str, params: dict[str, Any]) -> bool:
         """Complete a leg that names its producer only by a bootstrap server (a

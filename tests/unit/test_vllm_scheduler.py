@@ -223,6 +223,44 @@ def test_a_follower_waits_for_its_siblings_kv_then_reads_the_prefix_cache():
     assert follower.kv_transfer_params["do_remote_prefill"] is False
 
 
+def _failed_leader(side: SchedulerSide):
+    """A leader and its follower (n=2), the leader's KV load failed: the follower."""
+    leader = _request("0_cmpl", 300, _decode_params())
+    follower = _request("1_cmpl", 300, _decode_params())
+    side.on_new_request(leader)
+    side.on_new_request(follower)
+    side.get_num_new_matched_tokens(leader, 0)
+    side.update_state_after_alloc(leader, _blocks([1, 2, 3]), 300)
+    side.build_connector_meta(_step())
+    side.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None, finished_recving={"0_cmpl"}, failed_recving={"0_cmpl"}
+        )
+    )
+    return follower
+
+
+def test_under_the_fail_policy_a_follower_of_a_failed_load_fails_too():
+    """Found by the soak: the follower computed its sibling's whole prompt here, which
+    the fail policy refuses (and which, seeded and in chunks, killed vLLM's CPU engine)."""
+    side = _side()
+    follower = _failed_leader(side)
+    count, load_async = side.get_num_new_matched_tokens(follower, 128)
+    assert count > 0 and load_async  # a failed load, reported as such
+    side.update_state_after_alloc(follower, _blocks([4, 5, 6]), count)
+    ((request_id, why),) = side.build_connector_meta(_step()).rejects
+    assert request_id == "1_cmpl" and "sibling 0_cmpl" in why
+
+
+def test_under_the_recompute_policy_a_follower_of_a_failed_load_computes_it():
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1, recompute_on_failure=True
+    )
+    follower = _failed_leader(side)
+    assert side.get_num_new_matched_tokens(follower, 128) == (0, False)
+    assert follower.kv_transfer_params["do_remote_prefill"] is False
+
+
 def test_a_follower_without_prefix_caching_computes_at_once():
     side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1, prefix_caching=False)
     leader = _request("0_cmpl", 300, _decode_params())
