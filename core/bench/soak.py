@@ -342,6 +342,8 @@ class Soak:
         self._started = time.monotonic()
         self._sent = 0
         self._now_fault = ""
+        self._baseline: dict[str, tuple[float, int]] = {}  # name -> (RSS MiB, open files)
+        self._rebaselines: list[asyncio.Future] = []
 
     def clock(self) -> float:
         return time.monotonic() - self._started
@@ -391,14 +393,14 @@ class Soak:
             flat_out = await self._warm_up(session, router)
             rate = s.rate or s.load * flat_out
             await asyncio.to_thread(self._quiesce)
-            baseline = {name: self._footprint(name) for name in self.prefill + self.decode}
+            self._baseline = {name: self._footprint(name) for name in self.prefill + self.decode}
             shapes = mix.mix(s.requests, s.seed, s.max_model_len, s.disconnect_share)
             started = self.clock()
             await self._load(session, router, shapes, rate)
             seconds = self.clock() - started
             states = await asyncio.to_thread(self._quiesce)
             await asyncio.sleep(2.0)  # let freed memory and closed sockets settle
-            instances = [self._instance(name, baseline, states) for name in states]
+            instances = [self._instance(name, states) for name in states]
             self._say("asking the plain instance")
             reference = await self._reference(session, shapes)
         compare(self.records, reference)
@@ -445,6 +447,7 @@ class Soak:
         finally:
             done.set()
             await injecting
+            await asyncio.gather(*self._rebaselines)
             showing.cancel()
         self.records.sort(key=lambda r: r.index)
 
@@ -467,6 +470,14 @@ class Soak:
             await injector.inject(fault)
             self._now_fault = ""
             self._log_fault(fault)
+            if fault.kind.startswith("kill") and not fault.skipped:
+                self._rebaselines.append(asyncio.ensure_future(self._rebaseline(fault.target)))
+
+    async def _rebaseline(self, name: str) -> None:
+        """A restarted instance is a new process: its resources after the run are held
+        against its own level once it has served for a fault window's grace."""
+        await asyncio.sleep(self.settings.grace_s)
+        self._baseline[name] = await asyncio.to_thread(self._footprint, name)
 
     def _log_fault(self, fault: faultlib.Fault) -> None:
         line = fault.line()
@@ -522,10 +533,8 @@ class Soak:
         rss, fds = tree_footprint(process.pid)
         return round(rss / 2**20, 1), fds
 
-    def _instance(
-        self, name: str, baseline: dict[str, tuple[float, int]], states: dict[str, dict]
-    ) -> Instance:
-        (rss0, fds0), (rss1, fds1) = baseline[name], self._footprint(name)
+    def _instance(self, name: str, states: dict[str, dict]) -> Instance:
+        (rss0, fds0), (rss1, fds1) = self._baseline[name], self._footprint(name)
         restarts = sum(1 for f in self.faults if f.target == name and f.kind.startswith("kill"))
         role = "prefill" if name in self.prefill else "decode"
         return Instance(name, role, restarts, states[name], (rss0, rss1), (fds0, fds1))
@@ -538,10 +547,13 @@ class Soak:
         url = self.cluster.servers[PLAIN].url
         answered = {r.index for r in self.records if r.outcome == OK}
         wanted = [s for s in shapes if s.deterministic and s.index in answered]
-        gate = asyncio.Semaphore(8)
+        # Seeded requests one at a time: vLLM's CPU build dies on a seeded prompt that
+        # a shared step budget splits into chunks ("CPU Generator does not use
+        # offset"); alone, a prompt up to the context limit fits one step.
+        greedy, seeded = asyncio.Semaphore(8), asyncio.Semaphore(1)
 
         async def one(shape: mix.Shape) -> tuple[int, list[str] | None]:
-            async with gate:
+            async with seeded if "seed" in shape.body else greedy:
                 outcome, _, _, _, answer = await exchange(session, url, shape)
                 return shape.index, answer if outcome == OK else None
 
