@@ -31,10 +31,13 @@ MILESTONES = {
     "prefill": ("arrived", "computing", "computed", "released"),
 }
 # Moments noted beside the milestones, in no phase. Decode: kv_ready, when prefill's
-# last prompt step ended (landed - kv_ready is the hand-off's residual). Prefill:
+# last prompt step ended (landed - kv_ready is the hand-off's residual); reported,
+# when the scheduler heard of the landing from a step's output (landed -> reported
+# -> scheduled splits to_step into the step that carried the news and the wait for
+# the next schedule). Prefill:
 # last_step, when the step computing the last prompt token was scheduled; chunk_sent,
 # when the first WRITE of an earlier chunk's KV ended (progressive push).
-EVENTS = {"decode": ("kv_ready",), "prefill": ("last_step", "chunk_sent")}
+EVENTS = {"decode": ("kv_ready", "reported"), "prefill": ("last_step", "chunk_sent")}
 PHASES = {
     "decode": ("queued", "kv_wait", "to_step", "generate"),
     "prefill": ("queued", "compute", "send"),

@@ -47,6 +47,22 @@ def test_multi_chunk_prompts_answer_as_a_plain_instance(cluster, chunked_pair, c
     assert [client.tokens(chunked_pair, p) for p in prompts] == expected
 
 
+def test_shared_prefixes_hit_both_prefix_caches_and_still_answer_right(
+    cluster, chunked_pair, client
+):
+    """Prompts sharing a 700-token prefix (five full blocks and a split one): the
+    later ones find it in prefill's prefix cache (their first chunk starts past it)
+    and in decode's (only the blocks after it are claimed)."""
+    single = cluster.servers["single"].url
+    prefix = prompt(700, 4900)
+    prompts = [prefix + prompt(n, 4950 + n) for n in (1, 200, 500)]
+    expected = [client.tokens(single, p) for p in prompts]
+    assert [client.tokens(chunked_pair, p) for p in prompts] == expected
+    for name in ("chunked_prefill", "chunked_decode"):
+        url = cluster.servers[name].url
+        assert client.metric(url, "vllm:prefix_cache_hits_total") > 0, name
+
+
 def test_early_chunks_cross_before_the_last_chunk_runs(cluster, chunked_pair, client):
     """The negative control is in the same run: a prompt that fits one step has no
     earlier chunk, so nothing may be noted as sent before its last step."""
