@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decode's kv_load_failure_policy")  # fmt: skip
     soak.add_argument("--kv-extra", metavar="JSON", help="more kvpush connector settings")
     soak.add_argument("--model", help="a local model directory (default: the tiny model)")
-    soak.add_argument("--warm-up", type=int, default=16, help="warm-up requests")
+    soak.add_argument("--warm-up", type=int, default=64, help="warm-up requests")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", help="output directory (default kvpush-bench-soak-<time>)")
     soak.set_defaults(run=_bench_soak)

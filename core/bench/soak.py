@@ -73,7 +73,7 @@ class Settings:
     policy: str = "fail"  # kv_load_failure_policy of decode
     kv_extra: dict[str, Any] = field(default_factory=dict)  # more connector settings
     model: Path | None = None  # None: the tiny model, built on the spot
-    warm_up: int = 16
+    warm_up: int = 64  # enough for the allocators to see the largest steps
     quiesce_s: float = 60.0  # the longest to wait for every instance to go quiet
     seed: int = 0
 
@@ -344,6 +344,7 @@ class Soak:
         self._now_fault = ""
         self._baseline: dict[str, tuple[float, int]] = {}  # name -> (RSS MiB, open files)
         self._rebaselines: list[asyncio.Future] = []
+        self.footprints: list[dict[str, Any]] = []  # every instance's RSS and files over time
 
     def clock(self) -> float:
         return time.monotonic() - self._started
@@ -442,6 +443,7 @@ class Soak:
         done = asyncio.Event()
         injecting = asyncio.ensure_future(self._inject(done))
         showing = asyncio.ensure_future(self._progress(len(shapes)))
+        sampling = asyncio.ensure_future(self._sample_footprints())
         try:
             await asyncio.gather(*(one(sh, at) for sh, at in zip(shapes, send_at, strict=True)))
         finally:
@@ -449,6 +451,16 @@ class Soak:
             await injecting
             await asyncio.gather(*self._rebaselines)
             showing.cancel()
+            sampling.cancel()
+
+    async def _sample_footprints(self, every_s: float = 15.0) -> None:
+        """Each instance's RSS and open files every `every_s`: whether growth levels
+        off (allocators reaching their high-water mark) or keeps climbing (a leak)."""
+        names = self.prefill + self.decode
+        while True:
+            sample = {name: await asyncio.to_thread(self._footprint, name) for name in names}
+            self.footprints.append({"t": round(self.clock(), 1), **sample})
+            await asyncio.sleep(every_s)
         self.records.sort(key=lambda r: r.index)
 
     async def _inject(self, done: asyncio.Event) -> None:
@@ -547,17 +559,22 @@ class Soak:
         url = self.cluster.servers[PLAIN].url
         answered = {r.index for r in self.records if r.outcome == OK}
         wanted = [s for s in shapes if s.deterministic and s.index in answered]
-        # Seeded requests one at a time: vLLM's CPU build dies on a seeded prompt that
-        # a shared step budget splits into chunks ("CPU Generator does not use
-        # offset"); alone, a prompt up to the context limit fits one step.
-        greedy, seeded = asyncio.Semaphore(8), asyncio.Semaphore(1)
+        # Greedy requests eight at a time, then seeded ones alone: vLLM's CPU build
+        # dies on a seeded prompt that a step budget shared with other requests splits
+        # into chunks ("CPU Generator does not use offset"); alone, a prompt up to the
+        # context limit fits one step.
+        answers: dict[int, list[str] | None] = {}
+        for seeded, at_once in ((False, 8), (True, 1)):
+            gate = asyncio.Semaphore(at_once)
 
-        async def one(shape: mix.Shape) -> tuple[int, list[str] | None]:
-            async with seeded if "seed" in shape.body else greedy:
-                outcome, _, _, _, answer = await exchange(session, url, shape)
-                return shape.index, answer if outcome == OK else None
+            async def one(shape: mix.Shape, gate: asyncio.Semaphore = gate) -> None:
+                async with gate:
+                    outcome, _, _, _, answer = await exchange(session, url, shape)
+                    answers[shape.index] = answer if outcome == OK else None
 
-        return dict(await asyncio.gather(*(one(shape) for shape in wanted)))
+            chosen = [s for s in wanted if ("seed" in s.body) == seeded]
+            await asyncio.gather(*(one(shape) for shape in chosen))
+        return answers
 
     def _keep_logs(self, workdir: Path) -> None:
         logs = self.out / "logs"
@@ -574,6 +591,9 @@ class Soak:
             lines.write(json.dumps(summary) + "\n")
         (self.out / "table.md").write_text(markdown(summary))
         (self.out / "faults.log").write_text("\n".join(self.fault_log) + "\n")
+        with (self.out / "footprints.jsonl").open("w") as lines:
+            for sample in self.footprints:
+                lines.write(json.dumps(sample) + "\n")
 
 
 def main(settings: Settings, out: Path) -> int:
