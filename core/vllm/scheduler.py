@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
+FAILED_LOADS_KEPT = 4096
 
 
 @dataclass
@@ -102,7 +103,9 @@ class SchedulerSide:
         self._announced: dict[str, str] = {}  # decode request id -> transfer id, not allocated
         self._consuming: dict[str, str] = {}  # decode request id -> transfer id, allocated
         self._followers: dict[str, str] = {}  # decode request id -> its sibling 0's
-        self._failed_loads: set[str] = set()  # decode requests whose KV load failed
+        # Decode requests whose KV load failed, kept past their end (a sibling may
+        # arrive after): the last few thousand.
+        self._failed_loads: OrderedDict[str, None] = OrderedDict()
         self._local_hits: dict[str, int] = {}
         self._learnt_from: dict[str, str] = {}  # decode request id -> bootstrap address
         self._rejected: dict[str, str] = {}
@@ -300,7 +303,6 @@ class SchedulerSide:
         self.spans.mark(request_id, "finished")
         self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
         self._followers.pop(request_id, None)
-        self._failed_loads.discard(request_id)
         tid = self._consuming.pop(request_id, None)
         if tid is not None:
             # Finished before its KV arrived (aborted): the worker settles the transfer
@@ -331,7 +333,9 @@ class SchedulerSide:
             if request_id not in failed:
                 self.spans.mark(request_id, "landed")  # if no worker stamped it
                 continue
-            self._failed_loads.add(request_id)
+            self._failed_loads[request_id] = None
+            while len(self._failed_loads) > FAILED_LOADS_KEPT:
+                self._failed_loads.popitem(last=False)
             for follower in [f for f, leader in self._followers.items() if leader == request_id]:
                 self._sibling_failed(follower, request_id)
             if learnt_from is not None:
@@ -416,10 +420,12 @@ class SchedulerSide:
                 self._recomputed(reason)
             return
         tid, leader = self._ids.assign(request, params["transfer_id"])
-        if leader is not None and leader in self._admitted:
+        if leader is not None:
             # A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
             # once; this one reads it from the prefix cache. Should prefill have made a
-            # copy for it too, let it go at once.
+            # copy for it too, let it go at once. The sibling may have finished already
+            # (vLLM adds n's choices one by one, and under load far apart): prefill
+            # made no copy for this one under n, so it must not wait for one.
             self._followers[request_id] = leader
             self._decline(tid, params)
             if leader in self._failed_loads:

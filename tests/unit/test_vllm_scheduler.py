@@ -261,6 +261,49 @@ def test_under_the_recompute_policy_a_follower_of_a_failed_load_computes_it():
     assert follower.kv_transfer_params["do_remote_prefill"] is False
 
 
+def _finished_leader(side: SchedulerSide, failed: bool):
+    """Choice 0 of an n=2 request loads its KV (or fails to) and finishes before vLLM
+    adds choice 1, as it does under load."""
+    leader = _request("0_cmpl-7-0-aaaaaaaa", 300, _decode_params())
+    side.on_new_request(leader)
+    side.get_num_new_matched_tokens(leader, 0)
+    side.update_state_after_alloc(leader, _blocks([1, 2, 3]), 300)
+    side.build_connector_meta(_step())
+    side.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None,
+            finished_recving={leader.request_id},
+            failed_recving={leader.request_id} if failed else set(),
+        )
+    )
+    leader.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    side.request_finished(leader, [1, 2, 3])
+    follower = _request("1_cmpl-7-0-aaaaaaaa", 300, _decode_params())
+    side.on_new_request(follower)
+    return follower
+
+
+def test_a_choice_added_after_its_sibling_finished_does_not_wait_for_a_copy_never_made():
+    """Found by the soak: choice 1 claimed a transfer of its own, which prefill (asked
+    for one choice) never makes, and failed on the watchdog six seconds later."""
+    side = _side()
+    follower = _finished_leader(side, failed=False)
+    meta = side.build_connector_meta(_step())
+    assert [a.transfer_id for a in meta.announces] == meta.aborts  # declined at once
+    assert side.get_num_new_matched_tokens(follower, 256) == (0, False)  # prefix cache
+    assert side.state() == {"sending": 0, "producing": 0, "receiving": 0}
+
+
+def test_a_choice_added_after_its_sibling_failed_fails_too():
+    side = _side()
+    follower = _finished_leader(side, failed=True)
+    count, load_async = side.get_num_new_matched_tokens(follower, 256)
+    assert count > 0 and load_async
+    side.update_state_after_alloc(follower, _blocks([4, 5, 6]), count)
+    ((request_id, why),) = side.build_connector_meta(_step()).rejects
+    assert request_id == follower.request_id and "failed to load" in why
+
+
 def test_a_follower_without_prefix_caching_computes_at_once():
     side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1, prefix_caching=False)
     leader = _request("0_cmpl", 300, _decode_params())
