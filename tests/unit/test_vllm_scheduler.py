@@ -223,20 +223,27 @@ def test_a_follower_waits_for_its_siblings_kv_then_reads_the_prefix_cache():
     assert follower.kv_transfer_params["do_remote_prefill"] is False
 
 
+def _load(side: SchedulerSide, leader, failed: bool) -> None:
+    """The leader (choice 0) claims its KV, and the load lands or fails."""
+    side.get_num_new_matched_tokens(leader, 0)
+    side.update_state_after_alloc(leader, _blocks([1, 2, 3]), 300)
+    side.build_connector_meta(_step())
+    side.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None,
+            finished_recving={leader.request_id},
+            failed_recving={leader.request_id} if failed else set(),
+        )
+    )
+
+
 def _failed_leader(side: SchedulerSide):
     """A leader and its follower (n=2), the leader's KV load failed: the follower."""
     leader = _request("0_cmpl", 300, _decode_params())
     follower = _request("1_cmpl", 300, _decode_params())
     side.on_new_request(leader)
     side.on_new_request(follower)
-    side.get_num_new_matched_tokens(leader, 0)
-    side.update_state_after_alloc(leader, _blocks([1, 2, 3]), 300)
-    side.build_connector_meta(_step())
-    side.update_connector_output(
-        SimpleNamespace(
-            finished_sending=None, finished_recving={"0_cmpl"}, failed_recving={"0_cmpl"}
-        )
-    )
+    _load(side, leader, failed=True)
     return follower
 
 
@@ -266,16 +273,7 @@ def _finished_leader(side: SchedulerSide, failed: bool):
     adds choice 1, as it does under load."""
     leader = _request("0_cmpl-7-0-aaaaaaaa", 300, _decode_params())
     side.on_new_request(leader)
-    side.get_num_new_matched_tokens(leader, 0)
-    side.update_state_after_alloc(leader, _blocks([1, 2, 3]), 300)
-    side.build_connector_meta(_step())
-    side.update_connector_output(
-        SimpleNamespace(
-            finished_sending=None,
-            finished_recving={leader.request_id},
-            failed_recving={leader.request_id} if failed else set(),
-        )
-    )
+    _load(side, leader, failed)
     leader.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     side.request_finished(leader, [1, 2, 3])
     follower = _request("1_cmpl-7-0-aaaaaaaa", 300, _decode_params())
