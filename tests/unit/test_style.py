@@ -58,3 +58,12 @@ def test_the_protocol_package_does_no_io():
                 if name.split(".")[0] in IO_MODULES
             ]
     assert not offenders, offenders
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by basename (no packages here): two of one name
+    stop the whole run at collection, which a one-directory run does not show."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+        seen[path.name] = path
