@@ -41,7 +41,14 @@ def _spread(client: Client, cluster, router: str, instances: list[str], seed: in
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: client.tokens(router, p), prompts))
     assert got == expected
-    moved = {name: len(_seen(client, cluster, name) - before[name]) for name in instances}
+    # An instance traces a transfer once it has let it go, which can come a little
+    # after the answers (a prefill's release rides on its engine's next step).
+    deadline = time.monotonic() + 10
+    while True:
+        moved = {name: len(_seen(client, cluster, name) - before[name]) for name in instances}
+        if all(moved.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert all(moved.values()), f"instances the load did not reach: {moved}"
     deadline = time.monotonic() + 10  # decode's counters ride on its engine's steps
     while delivered() < delivered_before + len(prompts) and time.monotonic() < deadline:
