@@ -411,6 +411,15 @@ class Router:
                     raise LegError(response.status, message, instance=decode)
                 if not leg.get("stream"):
                     payload = await response.read()
+                    if not _whole_json(payload):
+                        # Headers came, then the connection ended: a decode that died
+                        # mid-answer. Passing the stub on would be a 200 with no answer.
+                        self.metrics.inc("leg_failures", leg="decode", why="cut_short")
+                        message = (
+                            f"decode instance {decode.url} ended its answer early "
+                            f"({len(payload)} bytes, not a whole JSON object)"
+                        )
+                        raise LegError(502, message, instance=decode)
                     trace.mark("first_byte")
                     self.metrics.inc("requests", endpoint=endpoint, status="200")
                     return web.Response(body=payload, content_type="application/json")
@@ -522,6 +531,14 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "no answer within the idle timeout"
     return str(exc) or type(exc).__name__
+
+
+def _whole_json(payload: bytes) -> bool:
+    """Whether a non-streamed answer arrived whole: one JSON object."""
+    try:
+        return isinstance(json.loads(payload), dict)
+    except ValueError:
+        return False
 
 
 def _first_word(head: bytes) -> dict[str, Any] | None:

@@ -283,11 +283,13 @@ def test_prefill_killed_mid_run_errors_then_recovers(cluster, router, client):
 def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
     # Early, but after prefill: the eight decode all 1400 tokens in about 1.5 s when the
     # machine is quiet, and a kill after they finished tests nothing.
-    responses = _in_flight_while(client, router, cluster.servers["decode"].kill, wait=0.6)
-    assert all(_is_error(r) for r in responses), responses
-    state = client.wait_drained(cluster.identity_url("prefill"))
-    assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
-    cluster.start("decode")
+    try:
+        responses = _in_flight_while(client, router, cluster.servers["decode"].kill, wait=0.6)
+        assert all(_is_error(r) for r in responses), responses
+        state = client.wait_drained(cluster.identity_url("prefill"))
+        assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
+    finally:
+        cluster.start("decode")  # whatever happened: the tests after this one need it
     single = cluster.servers["single"].url
     assert client.tokens(router, prompt(200, 4)) == client.tokens(single, prompt(200, 4))
     _both_drained(cluster, client)

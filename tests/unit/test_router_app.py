@@ -207,6 +207,33 @@ def test_a_client_error_is_not_retried():
     run(scenario())
 
 
+def test_a_non_streamed_answer_cut_short_by_a_dying_decode_is_an_error_not_a_200():
+    """Found by the CI run: decode killed mid-answer had sent its 200 headers, and the
+    router passed the empty body on as a 200."""
+
+    async def scenario():
+        async def die_mid_answer(request, body):
+            # Headers without a length, then the end of the connection: the body is
+            # whatever came before it, here nothing.
+            request.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+            )
+            request.transport.close()  # the process is gone
+            await asyncio.sleep(3600)
+
+        prefill, decode = Fake(prefill_ok), Fake(die_mid_answer)
+        _, runner, url = await _serve([prefill], [decode])
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/completions", json={"prompt": "p"}) as r,
+        ):
+            assert r.status >= 500
+            assert decode.url in (await r.json())["error"]["message"]
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
+
+
 def test_a_non_streaming_client_that_leaves_aborts_the_decode_leg():
     async def scenario():
         prefill, decode = Fake(prefill_ok), Fake(sleeping(5.0))
