@@ -96,10 +96,15 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     kv_ready: dict[str, float] = field(default_factory=dict)
     chunk_sent: dict[str, float] = field(default_factory=dict)
 
+    NOTES = ("landed", "kv_ready", "chunk_sent")  # each a spans milestone of that name
+
+    def is_empty(self) -> bool:
+        return not any(getattr(self, name) for name in self.NOTES)
+
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
         # A request's KV is whole (or has left) when its last rank's share has.
         merged = KVPushWorkerMeta()
-        for name in ("landed", "kv_ready", "chunk_sent"):
+        for name in self.NOTES:
             mine, theirs = getattr(self, name), getattr(other, name, {})
             into = getattr(merged, name)
             for request_id in mine.keys() | theirs.keys():

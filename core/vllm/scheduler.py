@@ -35,6 +35,7 @@ from kvpush.vllm.metadata import (
     Expect,
     KVPushHandshake,
     KVPushMetadata,
+    KVPushWorkerMeta,
     Produce,
     Progress,
 )
@@ -319,7 +320,7 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
-        for milestone in ("landed", "kv_ready", "chunk_sent"):
+        for milestone in KVPushWorkerMeta.NOTES:
             for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
                 self.spans.mark(request_id, milestone, wall)
         for request_id in output.finished_sending or ():

@@ -247,10 +247,9 @@ class WorkerSide:
             self._stats.data["failed"] += 1
 
     def worker_meta(self) -> KVPushWorkerMeta | None:
-        noted = self._noted
-        if not (noted.landed or noted.kv_ready or noted.chunk_sent):
+        if self._noted.is_empty():
             return None
-        self._noted = KVPushWorkerMeta()
+        noted, self._noted = self._noted, KVPushWorkerMeta()
         return noted
 
     def stats(self) -> KVPushStats | None:
