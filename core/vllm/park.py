@@ -12,12 +12,12 @@ So when the scheduler says it is about to wait, the worker marks its queue as re
 long ago; its next read then sleeps on the queue's socket, which the scheduler's next
 write wakes.
 
-That wake-up is not guaranteed. The writer's notify socket keeps one message in
-flight (a send high-water mark of 1), and ZeroMQ learns that the previous one left
-only when it next processes its commands, which it throttles to about once a
-millisecond. Two steps written within that millisecond lose the second notify, and
-a sleeping reader then waits out vLLM's recheck interval: five seconds
-(SHM_READER_RECHECK_INTERVAL_MS), seen as single prefill steps of 5.0 s. vLLM's own
+That wake-up is not guaranteed: parked readers were seen to wait out vLLM's recheck
+interval, five seconds (SHM_READER_RECHECK_INTERVAL_MS), as single prefill steps of
+5.0 s. The likely cause, read from the code, not observed: the writer's notify
+socket keeps one message in flight (a send high-water mark of 1), and ZeroMQ learns
+that the previous one left only when it next processes its commands, which it
+throttles; two steps written close together can lose the second notify. vLLM's own
 readers spin through such bursts and never rely on that notify; a parked one does.
 So parking also shortens that interval to PARKED_RECHECK_MS, and the first step that
 is not parked puts vLLM's back.
