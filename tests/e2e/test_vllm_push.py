@@ -233,15 +233,19 @@ def test_client_disconnect_aborts_both_legs_and_frees_blocks(cluster, router, cl
     )
 
 
+LONG_ANSWER = 1400  # tokens: over a second of decoding for eight at once
+
+
 def _in_flight_while(client, router, action, wait: float) -> list:
     """Run `action` `wait` seconds after eight long requests went out; their responses
-    (or transport errors), once every request is over. Each generates 1400 tokens
-    (over a second of decoding), so `action` lands while all of them are running."""
+    (or transport errors), once every request is over. Most are still running when
+    `action` lands; the first admitted may already have finished on a fast machine."""
     responses: list = []
 
     def send(i: int) -> None:
         try:
-            responses.append(client.complete(router, prompt(600, 100 + i), max_tokens=1400))
+            answer = client.complete(router, prompt(600, 100 + i), max_tokens=LONG_ANSWER)
+            responses.append(answer)
         except httpx.HTTPError as exc:
             responses.append(exc)
 
@@ -264,12 +268,27 @@ def _is_error(response) -> bool:
     )
 
 
+def _is_whole_answer(response) -> bool:
+    """A 200 carrying every token asked for: what a request that ended before the kill
+    returns. A 200 cut short by the kill is the defect these tests are for."""
+    return (
+        isinstance(response, httpx.Response)
+        and response.status_code == 200
+        and len(response.json()["choices"][0]["token_ids"]) == LONG_ANSWER
+    )
+
+
+def _check_killed_run(responses: list, errors_at_least: int = 0) -> None:
+    """Each request either finished whole or got an error naming what failed."""
+    for response in responses:
+        assert _is_whole_answer(response) or _is_error(response), response
+    assert sum(_is_error(r) for r in responses) >= errors_at_least, responses
+
+
 def test_prefill_killed_mid_run_errors_then_recovers(cluster, router, client):
     single = cluster.servers["single"].url
     responses = _in_flight_while(client, router, cluster.servers["prefill"].kill, wait=0.3)
-    for response in responses:
-        ok = isinstance(response, httpx.Response) and response.status_code == 200
-        assert ok or _is_error(response), response
+    _check_killed_run(responses)
     started = time.monotonic()
     while_dead = client.complete(router, prompt(50, 8))
     assert _is_error(while_dead) and time.monotonic() - started < 30
@@ -285,7 +304,7 @@ def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
     # machine is quiet, and a kill after they finished tests nothing.
     try:
         responses = _in_flight_while(client, router, cluster.servers["decode"].kill, wait=0.6)
-        assert all(_is_error(r) for r in responses), responses
+        _check_killed_run(responses, errors_at_least=4)  # else the kill hit nothing
         state = client.wait_drained(cluster.identity_url("prefill"))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
     finally:
