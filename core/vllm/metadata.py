@@ -65,7 +65,7 @@ class KVPushMetadata(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)  # transfer ids given up (either role)
     rejects: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
     doorbell: int = 0  # the scheduler's doorbell port (kvpush.vllm.wake)
-    park: bool = False  # the scheduler will wait for a transfer: workers may sleep
+    park: bool = False  # nothing to compute until a transfer ends: workers may sleep
 
     def carries_work(self) -> bool:
         """Whether the workers must act on this step's metadata."""

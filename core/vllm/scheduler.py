@@ -278,19 +278,24 @@ class SchedulerSide:
         meta, self._next = self._next, KVPushMetadata()
         meta.doorbell = self.doorbell.port
         meta.park = self._only_transfers_to_wait_for(scheduler_output, meta)
-        # Two empty schedules in a row, not one: with async scheduling an empty one
-        # may be taken while the previous batch still computes, and its outcome must
-        # not wait on us.
-        if meta.park and self._parked and self.config.idle_wait_s:
+        # The workers learn of finished requests only from a step: one that tells of
+        # them goes out at once (a prefill's blocks are freed on that news). Two empty
+        # schedules in a row, not one: with async scheduling an empty one may be taken
+        # while the previous batch still computes, and its outcome must not wait on us.
+        quiet = meta.park and not scheduler_output.finished_req_ids
+        if quiet and self._parked and self.config.idle_wait_s:
             self.idle_waits += 1
             self.doorbell.wait(self.config.idle_wait_s)
-        self._parked = meta.park
+        self._parked = quiet
         return meta
 
     def _only_transfers_to_wait_for(self, out: Any, meta: KVPushMetadata) -> bool:
-        """Whether this step computes nothing, tells the workers nothing, and only a
-        transfer's end (a landing, a WRITE done) can change that."""
-        if out.total_num_scheduled_tokens or out.finished_req_ids or meta.carries_work():
+        """Whether this step computes nothing, asks the workers to start nothing, and
+        only a transfer's end (a landing, a WRITE done) can change that: the workers
+        may sleep after it. A step that tells of finished requests counts: on a
+        prefill it is often the last before the engine goes idle (its WRITE done
+        comes back with it), and a worker not parked then spins vLLM's full second."""
+        if out.total_num_scheduled_tokens or meta.carries_work():
             return False
         return bool(self._consuming or self._sending or self._followers)
 

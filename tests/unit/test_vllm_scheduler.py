@@ -592,6 +592,31 @@ def test_an_empty_step_while_kv_is_on_its_way_sleeps_until_the_doorbell_rings():
     side.close()
 
 
+def test_a_prefill_whose_write_is_in_flight_parks_its_workers_but_tells_of_the_finish_at_once():
+    """The step after a prefill's last one tells the workers the request finished;
+    its WRITE done often comes back with that step, and the engine goes idle. The
+    workers must sleep after it (not spin vLLM's second), and the step must not
+    wait on the doorbell: the blocks are freed on that news."""
+    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.get_num_new_matched_tokens(request, 0)
+    assert not side.build_connector_meta(
+        _step(new=[("p1", 300, [4, 5, 6], 0)], scheduled={"p1": 300})
+    ).park  # it computes, and produces
+    request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    side.request_finished(request, [4, 5, 6])
+    finishing = _step()
+    finishing.finished_req_ids = {"p1"}
+    started = time.monotonic()
+    assert side.build_connector_meta(finishing).park
+    assert side.build_connector_meta(finishing).park  # twice: still no wait
+    assert time.monotonic() - started < 0.5 and side.idle_waits == 0
+    assert side.build_connector_meta(_step()).park  # the WRITE is still out
+    side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
+    assert not side.build_connector_meta(_step()).park  # nothing left to wait for
+    side.close()
+
+
 def test_the_wait_is_bounded_so_new_requests_are_admitted():
     side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 0.05}), "e", BLOCK, 1)
     _waiting_decode(side)
