@@ -147,6 +147,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
         kv_extra=_json_object("--kv-extra", args.kv_extra),
         model=Path(args.model) if args.model else None,
         warm_up=args.warm_up,
+        settle_max_s=args.settle_max,
         seed=args.seed,
     )
     out = Path(args.out or f"kvpush-bench-soak-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -334,7 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decode's kv_load_failure_policy")  # fmt: skip
     soak.add_argument("--kv-extra", metavar="JSON", help="more kvpush connector settings")
     soak.add_argument("--model", help="a local model directory (default: the tiny model)")
-    soak.add_argument("--warm-up", type=int, default=64, help="warm-up requests")
+    soak.add_argument("--warm-up", type=int, default=64, help="flat-out warm-up requests")
+    soak.add_argument(
+        "--settle-max", type=float, default=300.0,
+        help="seconds at most of the mix at the run's rate, before it, for RSS to level off",
+    )  # fmt: skip
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", help="output directory (default kvpush-bench-soak-<time>)")
     soak.set_defaults(run=_bench_soak)

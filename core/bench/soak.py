@@ -3,8 +3,10 @@
 It starts prefill and decode instances behind `kvpush router`, and beside them a
 plain vLLM instance (no connector) that idles through the run and answers every
 deterministic request afterwards: the reference. A warm-up measures what the
-deployment serves flat out; then `--requests` requests of a seeded mix (kvpush.bench.
-mix) arrive as a Poisson process at `--rate`, or at `--load` times that, while faults
+deployment serves flat out, then serves the mix at the run's rate until every
+instance's memory has levelled off (the baseline); then `--requests` requests of a
+seeded mix (kvpush.bench.mix) arrive as a Poisson process at `--rate`, or at `--load`
+times the flat-out rate, while faults
 (kvpush.bench.faults) are injected every `--fault-interval` seconds. Each request
 ends one of four ways:
 
@@ -16,7 +18,7 @@ ends one of four ways:
 
 After the last request the instances go quiet, and each one's transfers in flight
 and blocks held (`/kvpush/state`), and its process tree's RSS and open files against
-their level after warm-up, are read.
+their settled level, are read.
 
 Out (in `--out`): requests.jsonl (a line per request, then a summary line),
 table.md, faults.log, logs/ (every server's and the router's log); a progress line
@@ -26,6 +28,7 @@ on stderr while it runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
@@ -50,6 +53,12 @@ OK, FAILED, HUNG, DISCONNECTED = "ok", "failed", "hung", "disconnected"
 SOAK_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0,
                "lease_s": 10.0, "registration_ttl_s": 10.0}  # fmt: skip
 RESOURCE_TOLERANCE = 0.10  # RSS and open files after the run: within 10 % of warm-up
+# Settled: no instance's RSS grew more than LEVEL_GROWTH over the last LEVEL_WINDOW_S.
+# A leak keeps growing through the run whatever it did here; growth that stops is the
+# allocators reaching the high-water mark of the mix (the first minutes of it, here).
+LEVEL_GROWTH = 0.01
+LEVEL_WINDOW_S = 30.0
+SAMPLE_S = 10.0
 WARM_UP_CONCURRENCY = 8
 PLAIN = "plain"
 
@@ -73,7 +82,8 @@ class Settings:
     policy: str = "fail"  # kv_load_failure_policy of decode
     kv_extra: dict[str, Any] = field(default_factory=dict)  # more connector settings
     model: Path | None = None  # None: the tiny model, built on the spot
-    warm_up: int = 64  # enough for the allocators to see the largest steps
+    warm_up: int = 64  # flat out, eight at a time: the deployment's throughput
+    settle_max_s: float = 300.0  # then the mix at the run's rate, until RSS levels off
     quiesce_s: float = 60.0  # the longest to wait for every instance to go quiet
     seed: int = 0
 
@@ -124,13 +134,14 @@ class Record:
 
 @dataclass
 class Instance:
-    """One kvpush server after the run, against itself after warm-up."""
+    """One kvpush server after the run, against its level once settled (a restarted
+    instance: the level its first incarnation settled at)."""
 
     name: str
     role: str
     restarts: int
     state: dict[str, Any]  # /kvpush/state after quiescence
-    rss_mib: tuple[float, float]  # after warm-up, after the run
+    rss_mib: tuple[float, float]  # settled after warm-up, after the run
     fds: tuple[int, int]
 
     @property
@@ -175,6 +186,14 @@ async def exchange(
     except (aiohttp.ClientError, ValueError, KeyError) as exc:
         return FAILED, 0, f"{type(exc).__name__}: {exc}", False, []
     return OK, 200, "", False, [texts[i] for i in sorted(texts)]
+
+
+def _all_answered(records: list[Record], phase: str) -> None:
+    """Before the faults every request must be answered: a deployment that cannot
+    serve is no soak."""
+    broken = [r for r in records if r.outcome != OK]
+    if broken:
+        raise KVPushError(f"{phase} failed, no soak: {broken[0].outcome} {broken[0].error}")
 
 
 def _content(choice: dict[str, Any]) -> str:
@@ -228,6 +247,17 @@ def explain(records: list[Record], faults: list[faultlib.Fault], grace_s: float)
         fault = faultlib.attribute(record.sent_s, record.ended_s, faults, grace_s)
         record.fault = None if fault is None else fault.id
         record.cause_named = record.openai_error and faultlib.names_cause(record.error)
+
+
+def levelled(samples: list[dict[str, Any]], names: list[str]) -> bool:
+    """Whether no instance's RSS grew more than LEVEL_GROWTH between the newest sample
+    and the newest one at least LEVEL_WINDOW_S older (samples: footprints, oldest
+    first, each {"t": seconds, name: (RSS MiB, open files), ...})."""
+    newest = samples[-1]
+    older = [sample for sample in samples if sample["t"] <= newest["t"] - LEVEL_WINDOW_S]
+    if not older:
+        return False
+    return all(newest[n][0] <= older[-1][n][0] * (1 + LEVEL_GROWTH) for n in names)
 
 
 def compare(records: list[Record], reference: dict[int, list[str] | None]) -> None:
@@ -308,8 +338,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"| {summary['failures_not_naming_cause']} | {len(summary['faults'])} ({skipped}) "
         f"| {summary['rate']:g} | {summary['seconds']:g} |",
         "",
-        "| instance | role | restarts | sending | producing | receiving | RSS MiB warm-up → end "
-        "| open files warm-up → end |",
+        "| instance | role | restarts | sending | producing | receiving | RSS MiB settled → end "
+        "| open files settled → end |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for i in summary["instances"]:
@@ -343,7 +373,6 @@ class Soak:
         self._sent = 0
         self._now_fault = ""
         self._baseline: dict[str, tuple[float, int]] = {}  # name -> (RSS MiB, open files)
-        self._rebaselines: list[asyncio.Future] = []
         self.footprints: list[dict[str, Any]] = []  # every instance's RSS and files over time
 
     def clock(self) -> float:
@@ -393,6 +422,8 @@ class Soak:
             self._say("warming up")
             flat_out = await self._warm_up(session, router)
             rate = s.rate or s.load * flat_out
+            self._say(f"settling at {rate:.2f} requests a second")
+            await self._settle(session, router, rate)
             await asyncio.to_thread(self._quiesce)
             self._baseline = {name: self._footprint(name) for name in self.prefill + self.decode}
             shapes = mix.mix(s.requests, s.seed, s.max_model_len, s.disconnect_share)
@@ -421,10 +452,39 @@ class Soak:
 
         started = time.monotonic()
         records = await asyncio.gather(*(one(shape) for shape in shapes))
-        broken = [r for r in records if r.outcome != OK]
-        if broken:
-            raise KVPushError(f"warm-up failed, no soak: {broken[0].outcome} {broken[0].error}")
+        _all_answered(records, "warm-up")
         return len(records) / (time.monotonic() - started)
+
+    async def _settle(self, session: aiohttp.ClientSession, router: str, rate: float) -> None:
+        """Serve the mix at the run's rate, without faults, until every instance's RSS
+        has levelled off or `settle_max_s` ran out: the level a leak is judged against.
+        Every request must be answered."""
+        s = self.settings
+        if s.settle_max_s <= 0:
+            return
+        count = int(rate * s.settle_max_s * 1.5) + 8  # more than the longest settling needs
+        shapes = mix.mix(count, s.seed + 2, s.max_model_len, disconnect_share=0.0)
+        send_at = load.arrivals(count, rate, s.seed + 2)
+        start, settled = time.monotonic(), asyncio.Event()
+
+        async def one(shape: mix.Shape, at: float) -> Record | None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(settled.wait(), max(0.0, start + at - time.monotonic()))
+            if settled.is_set():
+                return None  # not sent: settling ended before its arrival time
+            return await send(session, router, shape, s.deadline_s, self.clock)
+
+        pairs = zip(shapes, send_at, strict=True)
+        sending = [asyncio.ensure_future(one(shape, at)) for shape, at in pairs]
+        samples: list[dict[str, Any]] = []
+        while time.monotonic() - start < s.settle_max_s:
+            samples.append(await self._sample("settle"))
+            if levelled(samples, self.prefill + self.decode):
+                break
+            await asyncio.sleep(SAMPLE_S)
+        settled.set()
+        records = await asyncio.gather(*sending)
+        _all_answered([r for r in records if r is not None], "settling")
 
     async def _load(
         self, session: aiohttp.ClientSession, router: str, shapes: list[mix.Shape], rate: float
@@ -449,19 +509,24 @@ class Soak:
         finally:
             done.set()
             await injecting
-            await asyncio.gather(*self._rebaselines)
             showing.cancel()
             sampling.cancel()
-
-    async def _sample_footprints(self, every_s: float = 15.0) -> None:
-        """Each instance's RSS and open files every `every_s`: whether growth levels
-        off (allocators reaching their high-water mark) or keeps climbing (a leak)."""
-        names = self.prefill + self.decode
-        while True:
-            sample = {name: await asyncio.to_thread(self._footprint, name) for name in names}
-            self.footprints.append({"t": round(self.clock(), 1), **sample})
-            await asyncio.sleep(every_s)
         self.records.sort(key=lambda r: r.index)
+
+    async def _sample_footprints(self) -> None:
+        """Each instance's RSS and open files every SAMPLE_S through the run: whether
+        growth levels off (allocators reaching their high-water mark) or keeps climbing
+        (a leak)."""
+        while True:
+            await self._sample("run")
+            await asyncio.sleep(SAMPLE_S)
+
+    async def _sample(self, phase: str) -> dict[str, Any]:
+        """Every instance's RSS (MiB) and open files now, kept for footprints.jsonl."""
+        names = self.prefill + self.decode
+        sample = {name: await asyncio.to_thread(self._footprint, name) for name in names}
+        self.footprints.append({"t": round(self.clock(), 1), "phase": phase, **sample})
+        return self.footprints[-1]
 
     async def _inject(self, done: asyncio.Event) -> None:
         s = self.settings
@@ -482,14 +547,6 @@ class Soak:
             await injector.inject(fault)
             self._now_fault = ""
             self._log_fault(fault)
-            if fault.kind.startswith("kill") and not fault.skipped:
-                self._rebaselines.append(asyncio.ensure_future(self._rebaseline(fault.target)))
-
-    async def _rebaseline(self, name: str) -> None:
-        """A restarted instance is a new process: its resources after the run are held
-        against its own level once it has served for a fault window's grace."""
-        await asyncio.sleep(self.settings.grace_s)
-        self._baseline[name] = await asyncio.to_thread(self._footprint, name)
 
     def _log_fault(self, fault: faultlib.Fault) -> None:
         line = fault.line()

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 # the load checks that the deployment recovered.
 SHORT = soak.Settings(
     requests=300, rate=3.0, faults=("kill-prefill", "stop-decode"), fault_interval_s=8.0,
-    max_faults=2, deadline_s=90.0, warm_up=32, quiesce_s=30.0, seed=14,
+    max_faults=2, deadline_s=90.0, warm_up=32, settle_max_s=20.0, quiesce_s=30.0, seed=14,
 )  # fmt: skip
 
 

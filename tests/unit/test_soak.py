@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -163,6 +165,27 @@ def test_an_instance_that_answers_no_state_is_not_quiet():
     assert not _instance(fds=(50, 56)).within_tolerance
 
 
+def _samples(*rss: tuple[float, float], every_s: float = 10.0) -> list[dict]:
+    """Footprint samples of prefill0 and decode0, `every_s` apart."""
+    return [
+        {"t": i * every_s, "prefill0": (p, 200), "decode0": (d, 190)}
+        for i, (p, d) in enumerate(rss)
+    ]
+
+
+def test_memory_has_levelled_once_no_instance_grew_a_percent_in_thirty_seconds():
+    names = ["prefill0", "decode0"]
+    # The 2026-12-01 run's first minutes: both climb steeply, then flatten.
+    climbing = _samples((3037, 3029), (3225, 3082), (3395, 3124), (3466, 3178))
+    assert not soak.levelled(climbing, names)
+    flat = _samples((3470, 3178), (3486, 3211), (3500, 3220), (3500, 3200))
+    assert soak.levelled(flat, names)  # +0.9 % and +0.7 % over the last 30 s
+    assert not soak.levelled(flat[:3] + [{**flat[3], "prefill0": (3506, 200)}], names)
+    one_still_climbing = _samples((3500, 3100), (3500, 3150), (3500, 3180), (3500, 3200))
+    assert not soak.levelled(one_still_climbing, names)  # decode +3.2 %
+    assert not soak.levelled(flat[:3], names)  # not 30 s of samples yet
+
+
 def test_the_table_and_the_json_line_carry_the_numbers():
     records = [_record(0, OK, answer=["a"]), _record(1, FAILED, error="x")]
     summary = soak.summarize(records, [_fault(1, 0.0, 5.0)], [_instance()], 10.0, 3.0)
@@ -252,3 +275,73 @@ def test_the_command_refuses_bad_settings_before_starting_anything(capsys):
     assert "unknown fault kind(s) ['flood']" in capsys.readouterr().err
     assert cli.main(["bench", "soak", "--rate", "0"]) == 2
     assert "--rate and --load must be positive" in capsys.readouterr().err
+
+
+# -- settling: the mix at the run's rate until memory levels off ----------------------
+
+
+async def _settle(handler, rss: list[float], settle_max_s: float) -> tuple[soak.Soak, float]:
+    """Settle a stand-in deployment (every path answered by `handler`) whose one
+    instance's RSS reads `rss` in turn (then stays at the last): the Soak and the
+    seconds settling took."""
+    run = soak.Soak(soak.Settings(settle_max_s=settle_max_s, seed=3), Path("unused"))
+    run.prefill, run.decode = ["prefill0"], []
+    readings = iter(rss)
+    last = [rss[0]]
+
+    def footprint(name: str) -> tuple[float, int]:
+        last[0] = next(readings, last[0])
+        return last[0], 100
+
+    run._footprint = footprint  # type: ignore[method-assign]
+    app = web.Application()
+    app.router.add_post(mix.COMPLETIONS, handler)
+    app.router.add_post(mix.CHAT, handler)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        await run._settle(session, str(server.make_url("")).rstrip("/"), rate=20.0)
+        return run, time.monotonic() - started
+
+
+async def _ok(request: web.Request) -> web.StreamResponse:
+    """An answer of one choice per `n`, streamed when asked to be."""
+    body = await request.json()
+    choices = [{"index": i, "text": "x"} for i in range(body.get("n", 1))]
+    if not body.get("stream"):
+        return web.json_response({"choices": choices})
+    return await _stream_of(json.dumps({"choices": choices}), "[DONE]")(request)
+
+
+def test_settling_ends_once_memory_levels_off_not_when_its_arrivals_run_out(monkeypatch):
+    monkeypatch.setattr(soak, "SAMPLE_S", 0.1)
+    monkeypatch.setattr(soak, "LEVEL_WINDOW_S", 0.3)
+    sent: list[float] = []
+
+    async def counting(request: web.Request) -> web.Response:
+        sent.append(time.monotonic())
+        return await _ok(request)
+
+    # Growing 10 % a sample for four samples, then flat: levelled a window later.
+    run, took = asyncio.run(_settle(counting, [100, 110, 121, 133, 146], settle_max_s=30.0))
+    settles = [f for f in run.footprints if f["phase"] == "settle"]
+    assert 5 <= len(settles) <= 12 and settles[-1]["prefill0"] == (146, 100)
+    assert took < 5.0  # not the 30 s bound, nor the 45 s of arrivals drawn for it
+    assert len(sent) >= 5  # the mix went out at its rate meanwhile
+
+
+def test_settling_stops_at_its_bound_when_memory_keeps_growing(monkeypatch):
+    monkeypatch.setattr(soak, "SAMPLE_S", 0.1)
+    monkeypatch.setattr(soak, "LEVEL_WINDOW_S", 0.3)
+    growing = [100.0 * 1.05**i for i in range(200)]
+    run, took = asyncio.run(_settle(_ok, growing, settle_max_s=1.0))
+    assert 0.9 < took < 4.0 and not soak.levelled(run.footprints, ["prefill0"])
+
+
+def test_a_request_that_fails_while_settling_stops_the_soak(monkeypatch):
+    monkeypatch.setattr(soak, "SAMPLE_S", 0.1)
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "prefill instance down"}}, status=502)
+
+    with pytest.raises(KVPushError, match="settling failed, no soak: failed prefill instance"):
+        asyncio.run(_settle(refuse, [100.0], settle_max_s=0.5))
