@@ -315,14 +315,14 @@ def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
 
 
 def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, client):
-    """Eight decode legs wait for KV their prefill has not started on. vLLM's engine
+    """32 decode legs wait for KV their prefill has not started on. vLLM's engine
     loop would step empty a thousand times a second meanwhile (over a core, measured);
     kvpush sleeps those steps until a transfer ends. Then prefill runs, and every
     request answers as a plain instance does, from the pushed KV."""
     decode = cluster.servers["decode"]
     identity = client.http.get(cluster.identity_url("prefill") + "/query").json()
     single = cluster.servers["single"].url
-    prompts = [prompt(400, 700 + i) for i in range(8)]
+    prompts = [prompt(400, 700 + i) for i in range(32)]
     expected = [client.tokens(single, p) for p in prompts]
     delivered_before = client.metric(decode.url, "vllm:kvpush_delivered_total")
     legs = []
@@ -334,7 +334,7 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
             "tp_size": identity["tp_size"],
         }  # fmt: skip
         legs.append(params)
-    with cf.ThreadPoolExecutor(16) as pool:
+    with cf.ThreadPoolExecutor(2 * len(prompts)) as pool:
         answers = [
             pool.submit(client.complete, decode.url, p, kv_transfer_params=params)
             for p, params in zip(prompts, legs, strict=True)
@@ -343,6 +343,7 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
         before = tree_cpu_seconds(decode.process.pid)
         time.sleep(2.0)
         cores = (tree_cpu_seconds(decode.process.pid) - before) / 2.0
+        print(f"decode holding {len(prompts)} requests that wait for KV: {cores:.3f} cores")
         prefill = cluster.servers["prefill"].url
         for p, params in zip(prompts, legs, strict=True):
             leg = {"do_remote_decode": True, "transfer_id": params["transfer_id"]}
