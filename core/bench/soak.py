@@ -52,7 +52,7 @@ OK, FAILED, HUNG, DISCONNECTED = "ok", "failed", "hung", "disconnected"
 # interval (the defaults are 30 s to 10 minutes).
 SOAK_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0,
                "lease_s": 10.0, "registration_ttl_s": 10.0}  # fmt: skip
-RESOURCE_TOLERANCE = 0.10  # RSS and open files after the run: within 10 % of warm-up
+RESOURCE_TOLERANCE = 0.10  # RSS and open files after the run: within 10 % of settled
 # Settled: no instance's RSS grew more than LEVEL_GROWTH over the last LEVEL_WINDOW_S.
 # A leak keeps growing through the run whatever it did here; growth that stops is the
 # allocators reaching the high-water mark of the mix (the first minutes of it, here).
@@ -476,10 +476,9 @@ class Soak:
 
         pairs = zip(shapes, send_at, strict=True)
         sending = [asyncio.ensure_future(one(shape, at)) for shape, at in pairs]
-        samples: list[dict[str, Any]] = []
         while time.monotonic() - start < s.settle_max_s:
-            samples.append(await self._sample("settle"))
-            if levelled(samples, self.prefill + self.decode):
+            await self._sample("settle")  # the only footprints so far
+            if levelled(self.footprints, self.prefill + self.decode):
                 break
             await asyncio.sleep(SAMPLE_S)
         settled.set()

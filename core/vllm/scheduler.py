@@ -116,7 +116,7 @@ class SchedulerSide:
         self.bootstrap_server: IdentityServer | None = None
         self.doorbell = Doorbell()
         self.spans = Spans()
-        self._parked = False
+        self._quiet_before = False  # the last step was empty and told the workers nothing
         self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
 
     # -- identity -------------------------------------------------------------------
@@ -283,10 +283,10 @@ class SchedulerSide:
         # schedules in a row, not one: with async scheduling an empty one may be taken
         # while the previous batch still computes, and its outcome must not wait on us.
         quiet = meta.park and not scheduler_output.finished_req_ids
-        if quiet and self._parked and self.config.idle_wait_s:
+        if quiet and self._quiet_before and self.config.idle_wait_s:
             self.idle_waits += 1
             self.doorbell.wait(self.config.idle_wait_s)
-        self._parked = quiet
+        self._quiet_before = quiet
         return meta
 
     def _only_transfers_to_wait_for(self, out: Any, meta: KVPushMetadata) -> bool:
