@@ -35,6 +35,7 @@ from kvpush.protocol.messages import (
     PullRequest,
     Register,
     Release,
+    Writing,
     decode_notif,
 )
 from kvpush.protocol.states import TransitionTable
@@ -99,6 +100,7 @@ class _Transfer:
     give_up_at: float = 0.0  # max_wait_s after the blocks were allocated
     read_deadline: float = 0.0
     notified: bool = False
+    writing: bool = False  # push: the producer said Writing
     kv_ready_wall: float = 0.0
     complete: Complete | None = None
     cancel_reason: str | None = None
@@ -255,6 +257,9 @@ class Consumer:
             if transfer_id in self._ended:
                 return []  # e.g. the Complete after the notification already delivered
             return [Counted("rejected_messages", {"why": "unknown_transfer"})]
+        if isinstance(message, Writing):
+            transfer.writing = True
+            return []
         if isinstance(message, Complete):
             return self._on_complete(transfer, message, now)
         if isinstance(message, Failed):
@@ -348,12 +353,17 @@ class Consumer:
         return any(t.state == State.LANDING for t in self._transfers.values())
 
     def awaiting_writes(self) -> bool:
-        """True while a producer may be writing into our blocks.
+        """True while a producer may be writing into our blocks, or its notification
+        is due: from its Writing (or Complete) until the transfer ends.
 
         Over transports where the target must drive progress (UCX over TCP), the I/O
-        layer keeps calling into NIXL meanwhile.
+        layer keeps calling into NIXL meanwhile. Not before Writing: a decode holding
+        requests whose prefill has not started would otherwise poll NIXL for nothing.
         """
-        return any(t.state in (State.REGISTERED, State.LANDING) for t in self._transfers.values())
+        return any(
+            t.state == State.LANDING or (t.writing and t.state in _WRITES_MAY_LAND)
+            for t in self._transfers.values()
+        )
 
     # -- internals -------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from kvpush.layout import KVLayout
 
 # 2: PullRequest names the blocks the consumer holds already (skip_blocks); NIXL
 #    metadata moves out of Hello into AgentMetadata, after Verify.
-PROTOCOL_VERSION = 2
+# 3: Writing, so a consumer calls into NIXL often only while bytes may be moving.
+PROTOCOL_VERSION = 3
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
 MAX_TRANSFER_ID = 256
@@ -136,6 +137,14 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     transfer_id: str
 
 
+class Writing(msgspec.Struct, tag="writing", frozen=True):
+    """Push: the producer is about to post the transfer's first WRITE. Some transports
+    (UCX over TCP) move a WRITE's bytes only while the target, too, calls into NIXL:
+    the consumer does so often from now on, and only now."""
+
+    transfer_id: str
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     """These transfers are still wanted (consumer) or still coming (producer)."""
 
@@ -179,6 +188,7 @@ Message = Union[  # noqa: UP007 - msgspec needs the Union spelling for tagged un
     Complete,
     Release,
     Heartbeat,
+    Writing,
     Cancel,
     CancelAck,
     Failed,

@@ -43,6 +43,7 @@ from kvpush.protocol.messages import (
     PullRequest,
     Register,
     Release,
+    Writing,
     encode_notif,
 )
 from kvpush.protocol.states import TransitionTable
@@ -124,6 +125,7 @@ class _Transfer:
     layers_written: int = 0  # ... and 0..layers_written-1 are written (push)
     writing_upto: int = 0  # the WRITE in flight covers layers up to this one
     writing_blocks: int = 0  # ... or, progressive, leading blocks up to this one
+    told_writing: bool = False  # the consumer got Writing (push)
     engine_done: bool = False  # the engine's last report (or its abort) came
     nbytes: int = 0
     kv_ready_wall: float = 0.0
@@ -451,7 +453,8 @@ class Producer:
             return []
         TRANSITIONS.move(transfer, State.WRITING)
         transfer.writing_upto = transfer.layers_ready
-        return [
+        return self._post(
+            transfer,
             PostWrite(
                 transfer.transfer_id,
                 transfer.peer,
@@ -459,8 +462,8 @@ class Producer:
                 destinations[start:],
                 encode_notif(transfer.transfer_id, transfer.kv_ready_wall) if all_ready else b"",
                 (transfer.layers_written, transfer.layers_ready),
-            )
-        ]
+            ),
+        )
 
     def _write_complete_blocks(
         self, transfer: _Transfer, sources: list[int], destinations: list[int]
@@ -477,7 +480,8 @@ class Producer:
         transfer.writing_blocks = upto
         start = transfer.blocks_written
         last = upto == len(destinations)
-        return [
+        return self._post(
+            transfer,
             PostWrite(
                 transfer.transfer_id,
                 transfer.peer,
@@ -485,8 +489,15 @@ class Producer:
                 destinations[start:upto],
                 encode_notif(transfer.transfer_id, 0.0) if last else b"",
                 (0, self.num_layers),
-            )
-        ]
+            ),
+        )
+
+    def _post(self, transfer: _Transfer, write: PostWrite) -> list[Action]:
+        """The WRITE; before a transfer's first, Writing to the consumer."""
+        if transfer.told_writing:
+            return [write]
+        transfer.told_writing = True
+        return [Send(write.peer, Writing(transfer.transfer_id)), write]
 
     def _fail_after_write(self, transfer: _Transfer, reason: str, detail: str) -> None:
         """The transfer is over, but its WRITE in flight cannot be recalled: say

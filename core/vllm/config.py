@@ -53,7 +53,10 @@ class ConnectorConfig:
         blocks as that step ends, so the last step moves only its own (the same as
         "layer" for a prompt computed in one step; docs/protocol.md).
     idle_wait_s: longest an engine step that has nothing to compute but transfers to
-        wait for sleeps until a transfer ends (default 0.02; 0 turns the wait off).
+        wait for sleeps until a transfer ends, a request or abort reaches the engine,
+        or this many seconds pass (default 0.1; 0 turns the wait off). Only a ring
+        that cannot arrive waits the bound out: a worker on another host (multi-node
+        TP), or an engine without vLLM's request queue (in-process, offline).
     park_workers: let an idle worker sleep on its step queue instead of spinning
         through those waits (default true; reaches into vLLM's private queue).
     nixl_backends: NIXL backends to use (default: the device backend's choice).
@@ -70,7 +73,7 @@ class ConnectorConfig:
     bootstrap_port: int = 0
     secret: str | None = None
     push_granularity: str = "chunk"
-    idle_wait_s: float = 0.02
+    idle_wait_s: float = 0.1
     park_workers: bool = True
     nixl_backends: tuple[str, ...] = ()
     ucx_error_handling: str = "none"

@@ -8,7 +8,6 @@ calls to the half that exists here.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,9 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.frames import find_caller
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
+from kvpush.vllm.wake import engine_inbox
 from kvpush.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -35,13 +36,13 @@ def _callers_kv_role(extra_config: dict[str, Any]) -> str | None:
 
     vLLM passes only the extra config to requires_piecewise_for_cudagraph; the
     config object that holds it, and its role, is in a caller's frame."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        transfer = getattr(frame.f_locals.get("self"), "kv_transfer_config", None)
-        if getattr(transfer, "kv_connector_extra_config", None) is extra_config:
-            return getattr(transfer, "kv_role", None)
-        frame = frame.f_back
-    return None
+
+    def holds_it(owner: Any) -> bool:
+        transfer = getattr(owner, "kv_transfer_config", None)
+        return getattr(transfer, "kv_connector_extra_config", None) is extra_config
+
+    owner = find_caller(holds_it)
+    return getattr(owner.kv_transfer_config, "kv_role", None) if owner is not None else None
 
 
 def _show_kvpush_logs() -> None:
@@ -88,7 +89,11 @@ class KVPushConnector(KVConnectorBase_V1):
                 recompute_on_failure=transfer.kv_load_failure_policy == "recompute",
                 dp_rank=dp_rank,
                 data_parallel=data_parallel,
+                lockstep=parallel.data_parallel_size > 1,
             )
+            inbox = engine_inbox()  # vLLM's engine is being built: it is on the stack
+            if inbox is not None:
+                self._scheduler.doorbell.ring_on_put(inbox)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,

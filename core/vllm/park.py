@@ -35,6 +35,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from kvpush.vllm.frames import find_caller
+
 log = logging.getLogger(__name__)
 
 # A lost notify costs a parked worker at most this; an idle parked worker wakes this
@@ -52,22 +54,19 @@ class Parking:
     @classmethod
     def find(cls) -> Parking:
         """The calling worker's step queue, from the frames above this call."""
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            spin = getattr(getattr(owner, "rpc_broadcast_mq", None), "_spin_condition", None)
-            if hasattr(spin, "last_read") and hasattr(spin, "busy_loop_s"):
-                module = sys.modules.get(type(spin).__module__)
-                if not hasattr(module, _RECHECK):
-                    log.warning(
-                        "kvpush: vLLM's step queue has no %s; a parked worker may miss a "
-                        "step's wake-up for vLLM's whole recheck interval",
-                        _RECHECK,
-                    )
-                return cls(spin, module)
-            frame = frame.f_back
-        log.debug("kvpush: no multiprocess step queue found; idle workers are vLLM's to park")
-        return cls(None)
+        owner = find_caller(lambda o: _spin_condition(o) is not None)
+        if owner is None:
+            log.debug("kvpush: no multiprocess step queue found; idle workers are vLLM's to park")
+            return cls(None)
+        spin = _spin_condition(owner)
+        module = sys.modules.get(type(spin).__module__)
+        if not hasattr(module, _RECHECK):
+            log.warning(
+                "kvpush: vLLM's step queue has no %s; a parked worker may miss a "
+                "step's wake-up for vLLM's whole recheck interval",
+                _RECHECK,
+            )
+        return cls(spin, module)
 
     @property
     def available(self) -> bool:
@@ -86,3 +85,9 @@ class Parking:
         """A step with work came: vLLM's own spinning and recheck interval apply again."""
         if self._module is not None:
             setattr(self._module, _RECHECK, self._vllm_recheck)
+
+
+def _spin_condition(owner: Any) -> Any | None:
+    """The spin condition of `owner`'s step queue, if it has one that parks."""
+    spin = getattr(getattr(owner, "rpc_broadcast_mq", None), "_spin_condition", None)
+    return spin if hasattr(spin, "last_read") and hasattr(spin, "busy_loop_s") else None

@@ -76,6 +76,7 @@ class SchedulerSide:
         recompute_on_failure: bool = False,
         dp_rank: int = 0,
         data_parallel: bool = False,
+        lockstep: bool = False,
         bootstrap: BootstrapResolver | None = None,
     ) -> None:
         self.config = config
@@ -115,6 +116,12 @@ class SchedulerSide:
         self.identity_server: IdentityServer | None = None
         self.bootstrap_server: IdentityServer | None = None
         self.doorbell = Doorbell()
+        # DP ranks that step in lockstep (vLLM's MoE data parallel) meet in a collective
+        # every few steps: one rank sleeping through an empty step would hold up the
+        # others' real ones, so such ranks step as vLLM does.
+        self.idle_wait_s = 0.0 if lockstep else config.idle_wait_s
+        if lockstep and config.idle_wait_s:
+            log.info("kvpush: DP ranks step in lockstep here; empty steps do not wait")
         self.spans = Spans()
         self._quiet_before = False  # the last step was empty and told the workers nothing
         self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
@@ -283,9 +290,9 @@ class SchedulerSide:
         # schedules in a row, not one: with async scheduling an empty one may be taken
         # while the previous batch still computes, and its outcome must not wait on us.
         quiet = meta.park and not scheduler_output.finished_req_ids
-        if quiet and self._quiet_before and self.config.idle_wait_s:
+        if quiet and self._quiet_before and self.idle_wait_s:
             self.idle_waits += 1
-            self.doorbell.wait(self.config.idle_wait_s)
+            self.doorbell.wait(self.idle_wait_s)
         self._quiet_before = quiet
         return meta
 

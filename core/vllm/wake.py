@@ -6,8 +6,10 @@ compute but keeps stepping, about a thousand empty steps a second, each a round
 trip to every worker. On a machine whose cores the engines share that steals a
 core from the engine that does compute. The scheduler half instead waits on this
 doorbell in such a step, for at most `idle_wait_s`: a worker rings it the moment
-its Node has an outcome, so a landing is picked up at once, and the bound keeps
-new requests and aborts (which vLLM queues until the step returns) prompt.
+its Node has an outcome, so a landing is picked up at once. New requests and
+aborts ring it too: vLLM queues them in the engine's request queue until the step
+returns, so the doorbell watches that queue (`ring_on_put`). Where it cannot (an
+engine without that queue), the bound keeps them prompt.
 
 A loopback datagram per outcome: workers on the scheduler's host reach it; a
 worker on another host (multi-node TP) cannot, and the bound alone applies there.
@@ -16,8 +18,12 @@ worker on another host (multi-node TP) cannot, and the bound alone applies there
 from __future__ import annotations
 
 import contextlib
+import queue
 import select
 import socket
+from typing import Any
+
+from kvpush.vllm.frames import find_caller
 
 
 class Doorbell:
@@ -28,6 +34,7 @@ class Doorbell:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
+        self._inbox_ringer: Ringer | None = None
 
     def wait(self, timeout: float) -> bool:
         """Block until rung (True) or `timeout` seconds passed (False); either way,
@@ -36,6 +43,17 @@ class Doorbell:
         self._drain()
         return bool(ready)
 
+    def ring_on_put(self, inbox: queue.Queue) -> None:
+        """Ring whenever anything is put in `inbox` (put_nowait goes through put too)."""
+        put = inbox.put
+        ringer = self._inbox_ringer = Ringer(self.port)
+
+        def put_and_ring(item: Any, block: bool = True, timeout: float | None = None) -> None:
+            put(item, block, timeout)
+            ringer.ring()
+
+        inbox.put = put_and_ring  # type: ignore[method-assign]
+
     def _drain(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
             while True:
@@ -43,15 +61,18 @@ class Doorbell:
 
     def close(self) -> None:
         self._sock.close()
+        if self._inbox_ringer is not None:
+            self._inbox_ringer.close()  # the queue outlives us: its rings now go nowhere
 
 
 class Ringer:
-    """A worker's end. Ringing never blocks and never fails the caller."""
+    """A ringing end: a worker's, or the engine request queue's. Ringing never blocks
+    and never fails the caller."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self.port = 0  # the scheduler's doorbell, learned from the step metadata
+        self.port = port  # a worker's learns the scheduler's from the step metadata
 
     def ring(self) -> None:
         if self.port:
@@ -60,3 +81,10 @@ class Ringer:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def engine_inbox() -> queue.Queue | None:
+    """The request queue of the engine whose construction is on the stack (vLLM's
+    EngineCoreProc.input_queue: requests, aborts and utility calls), if any."""
+    owner = find_caller(lambda o: isinstance(getattr(o, "input_queue", None), queue.Queue))
+    return owner.input_queue if owner is not None else None

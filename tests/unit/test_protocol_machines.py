@@ -24,6 +24,7 @@ from kvpush.protocol.messages import (
     Grant,
     PullRequest,
     Register,
+    Writing,
 )
 
 
@@ -880,3 +881,36 @@ def test_a_grant_cancelled_in_flight_is_released_as_cancelled_and_told_once():
     assert sim.released == {"t1": "aborted"}
     sim.settle()
     sim.check()
+
+
+def test_decode_calls_into_nixl_often_only_from_writing_until_the_transfer_ends():
+    """A decode holding blocks for a prefill that has not started need not poll NIXL
+    at full rate (for every waiting request, for nothing); from the producer's Writing
+    until the transfer ends it must, since over UCX's TCP transport a WRITE's bytes
+    move only while the target calls in. Writing comes once, before the first WRITE."""
+    sim = Sim(layers=2)
+    sim.expect("t1", blocks=6)
+    sim.deliver()
+    consumer = sim.c.machine
+    assert not consumer.awaiting_writes()
+    sim.progress("t1", blocks=2, full=2)  # the first chunk's WRITE is posted
+    assert [type(message) for *_, message in sim.network] == [Writing]
+    assert not consumer.awaiting_writes()  # not told yet
+    sim.deliver()
+    assert consumer.awaiting_writes()
+    sim.finish_writes()
+    sim.progress("t1", blocks=4, full=3)
+    sim.finish_writes()
+    sim.ready("t1", blocks=6)
+    assert Writing not in [type(message) for *_, message in sim.network]
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    assert not consumer.awaiting_writes()
+    sim.check()
+
+
+def test_a_stray_writing_message_is_counted_not_acted_on():
+    sim = Sim()
+    sim._run_consumer(sim.c, sim.c.machine.on_message(PRODUCER, Writing("nobody"), sim.now))
+    assert sim.counted[-1].labels == {"why": "unknown_transfer"}
+    assert not sim.c.machine.awaiting_writes()

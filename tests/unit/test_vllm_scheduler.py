@@ -6,6 +6,7 @@ with the fields the scheduler half reads; the real ones run in tests/e2e.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.transfers import api_request_id, engine_transfer_id, prompt_digest
-from kvpush.vllm.wake import Ringer
+from kvpush.vllm.wake import Ringer, engine_inbox
 
 BLOCK = 128
 
@@ -623,6 +624,46 @@ def test_the_wait_is_bounded_so_new_requests_are_admitted():
     started = time.monotonic()
     side.build_connector_meta(_step())
     assert 0.04 < time.monotonic() - started < 0.5
+    side.close()
+
+
+def test_a_request_reaching_the_engine_ends_the_wait():
+    """vLLM queues new requests and aborts until the step returns: the doorbell
+    watches the engine's request queue, so neither waits out the bound."""
+
+    class Engine:  # vLLM's EngineCoreProc builds its scheduler, and so us, in __init__
+        def __init__(self) -> None:
+            self.input_queue: queue.Queue = queue.Queue()
+            self.inbox = engine_inbox()
+
+    engine = Engine()
+    assert engine.inbox is engine.input_queue
+    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    side.doorbell.ring_on_put(engine.input_queue)
+    _waiting_decode(side)
+    timer = threading.Timer(0.2, engine.input_queue.put_nowait, [("ADD", "r2")])
+    timer.start()
+    started = time.monotonic()
+    side.build_connector_meta(_step())
+    assert side.idle_waits == 1 and 0.15 < time.monotonic() - started < 0.9
+    assert engine.input_queue.get_nowait() == ("ADD", "r2")  # and the item is there
+    side.close()
+    engine.input_queue.put_nowait(("ABORT", ["r2"]))  # a closed doorbell fails nothing
+
+
+def test_no_engine_queue_on_the_stack_is_no_error():
+    assert engine_inbox() is None
+
+
+def test_dp_ranks_in_lockstep_never_wait():
+    """vLLM's MoE data parallel meets in a collective every few steps: a rank asleep
+    in an empty step would hold up its siblings' real ones."""
+    config = ConnectorConfig.from_extra({"idle_wait_s": 1.0})
+    side = SchedulerSide(config, "e", BLOCK, 1, data_parallel=True, lockstep=True)
+    _waiting_decode(side)
+    started = time.monotonic()
+    assert side.build_connector_meta(_step()).park  # the workers still sleep
+    assert time.monotonic() - started < 0.5 and side.idle_waits == 0
     side.close()
 
 
