@@ -42,6 +42,18 @@ PHASES = {
     "decode": ("queued", "kv_wait", "to_step", "generate"),
     "prefill": ("queued", "compute", "send"),
 }
+# Parts of the hand-off, from the events, summed up beside the phases: prefill's last
+# step ended -> the KV landed (the WRITE's residual; prefill's clock, so across hosts
+# only as good as their clocks agree); landed -> a step's output told the scheduler;
+# told -> the step that uses the KV was scheduled.
+PARTS = {
+    "decode": {
+        "handoff": ("kv_ready", "landed"),
+        "report": ("landed", "reported"),
+        "resume": ("reported", "scheduled"),
+    },
+    "prefill": {},
+}
 _RECENT = 512
 _SAMPLES = 4096
 
@@ -61,6 +73,14 @@ class _Timeline:
             if start in self.marks and end in self.marks:
                 spans[phase] = max(0.0, self.marks[end] - self.marks[start])
         return spans
+
+    def parts(self) -> dict[str, float]:
+        """The hand-off's parts whose two moments are both present, clamped at zero."""
+        return {
+            part: max(0.0, self.marks[end] - self.marks[start])
+            for part, (start, end) in PARTS[self.role].items()
+            if start in self.marks and end in self.marks
+        }
 
     def complete(self) -> bool:
         return all(m in self.marks for m in MILESTONES[self.role])
@@ -118,7 +138,7 @@ class Spans:
         self._recent.append({"request_id": request_id, **timeline.as_dict()})
         if not timeline.complete():
             return
-        for phase, seconds in timeline.spans().items():
+        for phase, seconds in (timeline.spans() | timeline.parts()).items():
             key = f"{timeline.role}.{phase}"
             self._samples.setdefault(key, deque(maxlen=_SAMPLES)).append(seconds)
 
@@ -127,8 +147,8 @@ class Spans:
         return list(self._recent)[-last:]
 
     def summary(self, reset: bool = False) -> dict[str, dict[str, float]]:
-        """Per phase over recent complete requests: count, mean, p50, p99 (ms); with
-        `reset`, start counting afresh (a benchmark's next cell)."""
+        """Per phase (and hand-off part) over recent complete requests: count, mean,
+        p50, p99 (ms); with `reset`, start counting afresh (a benchmark's next cell)."""
         out = {}
         for key, samples in sorted(self._samples.items()):
             out[key] = {

@@ -28,7 +28,7 @@ def test_every_phase_is_present_non_negative_and_they_sum_to_the_requests_time(r
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) == pytest.approx((times[-1] - times[0]) * 1e3)
     summary = spans.summary()
-    assert set(summary) == {f"{role}.{p}" for p in PHASES[role]}
+    assert set(summary) == {f"{role}.{p}" for p in PHASES[role]}  # no events, no parts
     assert all(s["count"] == 1 for s in summary.values())
 
 
@@ -67,3 +67,22 @@ def test_a_summary_can_start_the_count_afresh():
     assert spans.summary(reset=True)["prefill.send"]["count"] == 1
     assert spans.summary() == {}
     assert len(spans.trace()) == 1  # the trace keeps its requests
+
+
+def test_the_hand_off_is_split_into_its_parts_in_the_summary():
+    """landing -> scheduled is the step that reports the landing, then vLLM's next
+    schedule; kv_ready -> landed is what is left of the WRITE after prefill's last
+    step. Each is summed up beside the phases, from the moments both present."""
+    spans = Spans(clock=_clock(1.0, 2.0, 2.9, 3.0, 5.0))
+    spans.begin("r1", "decode", "t")  # arrived 1.0
+    spans.mark("r1", "allocated")  # 2.0
+    spans.mark("r1", "kv_ready", at=2.4)  # prefill's last step ended (its clock)
+    spans.mark("r1", "landed", at=2.5)
+    spans.mark("r1", "reported")  # 2.9
+    spans.mark("r1", "scheduled")  # 3.0
+    spans.mark("r1", "finished")  # 5.0
+    summary = spans.summary()
+    parts = {k: summary[f"decode.{k}"]["p50_ms"] for k in ("handoff", "report", "resume")}
+    assert parts == pytest.approx({"handoff": 100.0, "report": 400.0, "resume": 100.0})
+    assert summary["decode.to_step"]["p50_ms"] == pytest.approx(500.0)  # report + resume
+    assert spans.trace()[0]["spans_ms"].keys() == set(PHASES["decode"])  # phases only
