@@ -177,6 +177,7 @@ def _router(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         cooldown_s=args.cooldown,
         health_interval_s=args.health_interval,
+        keepalive_s=args.keepalive,
     )
     run(config, args.host, args.port)
     return 0
@@ -374,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="seconds between /health checks of every instance (0: none)",
+    )
+    router.add_argument(
+        "--keepalive",
+        type=float,
+        default=2.0,
+        help="seconds an idle connection to an instance is kept; keep it below the "
+        "servers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
     )
     router.set_defaults(run=_router)
 

@@ -110,6 +110,11 @@ class RouterConfig:
     timeout_s: float = 300.0  # a leg that sends nothing for this long has failed
     cooldown_s: float = 10.0  # a failed instance is not picked for this long
     health_interval_s: float = 5.0  # 0: no periodic health checks
+    # An idle pooled connection is dropped after this. It must be shorter than the
+    # servers' own keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a connection
+    # reused just as the server closes it fails the request ("Server disconnected"),
+    # and the health checks, every 5 s, kept the pool's connections idle that long.
+    keepalive_s: float = 2.0
 
 
 class Router:
@@ -142,7 +147,8 @@ class Router:
             total=None, sock_connect=10, sock_read=self.config.timeout_s
         )
         self.session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.config.keepalive_s),
         )
         for instance in self.prefill.instances:
             if instance.identity_url:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -155,7 +156,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield cluster
     finally:
         cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not os.environ.get("KVPUSH_KEEP_LOGS"):
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 @contextlib.contextmanager

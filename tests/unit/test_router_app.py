@@ -36,6 +36,7 @@ class Fake:
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.cancelled = 0
+        self.connections: set[int] = set()  # the client ports requests came from
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -52,6 +53,7 @@ class Fake:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.connections.add(request.transport.get_extra_info("peername")[1])
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
         try:
@@ -125,6 +127,25 @@ async def _close(runner: web.AppRunner, fakes: list[Fake]) -> None:
 
 def run(coroutine) -> Any:
     return asyncio.run(coroutine)
+
+
+def test_an_idle_connection_is_not_kept_as_long_as_a_server_keeps_it():
+    """vLLM closes a connection idle for 5 s. One the router reuses just then fails
+    the request with "Server disconnected" (seen in CI: the first request after the
+    cluster came up), so the router drops idle connections well before."""
+
+    async def scenario() -> None:
+        prefill, decode = Fake(prefill_ok), Fake(decode_ok)
+        _, runner, url = await _serve([prefill], [decode], keepalive_s=0.2)
+        async with aiohttp.ClientSession() as client:
+            for pause in (0.0, 0.05, 0.5):  # the second reuses, the third must not
+                await asyncio.sleep(pause)
+                async with client.post(url + "/v1/completions", json={"prompt": "p"}) as r:
+                    assert r.status == 200
+        assert len(decode.connections) == 2 and len(prefill.connections) == 2
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
 
 
 def test_a_long_stream_is_not_cut_by_the_timeout_a_silent_leg_is():
