@@ -65,20 +65,21 @@ class _Timeline:
     marks: dict[str, float] = field(default_factory=dict)
 
     def spans(self) -> dict[str, float]:
-        """Phases between milestones both present, clamped at zero (two clocks:
-        the worker's and the scheduler's reads of one host's wall clock)."""
-        milestones, phases = MILESTONES[self.role], PHASES[self.role]
-        spans = {}
-        for phase, (start, end) in zip(phases, itertools.pairwise(milestones), strict=True):
-            if start in self.marks and end in self.marks:
-                spans[phase] = max(0.0, self.marks[end] - self.marks[start])
-        return spans
+        """Phases between consecutive milestones (see _between)."""
+        pairs = itertools.pairwise(MILESTONES[self.role])
+        return self._between(dict(zip(PHASES[self.role], pairs, strict=True)))
 
     def parts(self) -> dict[str, float]:
-        """The hand-off's parts whose two moments are both present, clamped at zero."""
+        """The hand-off's parts (see _between)."""
+        return self._between(PARTS[self.role])
+
+    def _between(self, intervals: dict[str, tuple[str, str]]) -> dict[str, float]:
+        """Each named (start, end) interval whose two marks are both present, clamped
+        at zero (two clocks: the worker's and the scheduler's reads of one host's wall
+        clock)."""
         return {
-            part: max(0.0, self.marks[end] - self.marks[start])
-            for part, (start, end) in PARTS[self.role].items()
+            name: max(0.0, self.marks[end] - self.marks[start])
+            for name, (start, end) in intervals.items()
             if start in self.marks and end in self.marks
         }
 

@@ -72,7 +72,7 @@ class Ringer:
     def __init__(self, port: int = 0) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self.port = port  # a worker's learns the scheduler's from the step metadata
+        self.port = port  # 0 until known: a worker learns it from the step metadata
 
     def ring(self) -> None:
         if self.port:
