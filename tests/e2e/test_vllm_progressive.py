@@ -95,11 +95,16 @@ def test_requests_abandoned_between_chunks_leave_nothing_held(cluster, chunked_p
     router drops both legs, prefill aborts between chunks (a chunk's WRITE may still
     read the blocks), and both instances end with nothing in flight. Prefill takes a
     tenth of a second here, so the client gives up sooner and sooner until once it
-    did so between a chunk crossing and the last step."""
+    did so between a chunk crossing and the last step. How soon is sooner depends on
+    the machine: the client's patience is a growing share of how long the same
+    request takes whole here, measured first."""
     body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    started = time.monotonic()
+    client.tokens(chunked_pair, prompt(1900, 6900), max_tokens=1)
+    whole = time.monotonic() - started
     caught = []
-    for attempt, patience in enumerate((0.03, 0.05, 0.07, 0.1, 0.14, 0.2, 0.3, 0.45)):
-        tokens = prompt(1900, 7000 + attempt)
+    for attempt, share in enumerate((0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9)):
+        tokens, patience = prompt(1900, 7000 + attempt), share * whole
 
         def give_up(tokens=tokens, patience=patience) -> None:
             with contextlib.suppress(httpx.TimeoutException):
