@@ -252,9 +252,11 @@ def _in_flight_while(client, router, action, ready, prompt_len: int, answer: int
     threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 120
+    started = time.monotonic()
+    deadline = started + 120
     while not ready() and time.monotonic() < deadline and any(t.is_alive() for t in threads):
         time.sleep(0.005)
+    print(f"ready after {time.monotonic() - started:.2f}s, {len(responses)} answered")
     action()
     for thread in threads:
         thread.join(120)
@@ -262,9 +264,15 @@ def _in_flight_while(client, router, action, ready, prompt_len: int, answer: int
     return responses
 
 
-def _gauge_at_least(client, url: str, name: str, least: int):
-    """A `ready` for _in_flight_while: a vLLM server's gauge has reached `least`."""
-    return lambda: client.metric(url, name) >= least
+def _holding(client, url: str, least: int):
+    """A `ready` for _in_flight_while: a vLLM server holds at least `least` requests
+    (running or waiting) and is computing at least one of them."""
+
+    def ready() -> bool:
+        running = client.metric(url, "vllm:num_requests_running")
+        return running >= 1 and running + client.metric(url, "vllm:num_requests_waiting") >= least
+
+    return ready
 
 
 def _is_error(response) -> bool:
@@ -294,8 +302,8 @@ def _check_killed_run(responses: list, answer: int) -> int:
 
 
 def _kill_mid_run(cluster, client, router, name: str, least: int, prompt_len: int, answer: int):
-    """Kill instance `name` once vLLM's gauge of running requests says at least
-    `least` of eight requests (`prompt_len` tokens, `answer` more) are in it; restart
+    """Kill instance `name` once vLLM's gauges say it computes one of eight requests
+    (`prompt_len` tokens, `answer` more) and holds at least `least` of them; restart
     it and again (a bounded number of times) if the kill hit fewer than `least` after
     all: the kill must hit requests, however fast the machine."""
     server = cluster.servers[name]
@@ -303,7 +311,7 @@ def _kill_mid_run(cluster, client, router, name: str, least: int, prompt_len: in
         if attempt:
             cluster.start(name)
             server = cluster.servers[name]
-        ready = _gauge_at_least(client, server.url, "vllm:num_requests_running", least)
+        ready = _holding(client, server.url, least)
         responses = _in_flight_while(client, router, server.kill, ready, prompt_len, answer)
         errors = _check_killed_run(responses, answer)
         print(f"kill {attempt + 1} of {name}: {errors} of 8 requests hit")
@@ -330,8 +338,9 @@ def test_prefill_killed_mid_run_errors_then_recovers(cluster, router, client):
 
 
 def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
-    """Decode dies while at least four of eight requests are generating: each of those
-    gets an error naming decode (not a 200 cut short), and prefill holds nothing after."""
+    """Decode dies while it generates and holds at least four of eight requests: each
+    of those gets an error naming decode (not a 200 cut short), and prefill holds
+    nothing after."""
     try:
         _kill_mid_run(cluster, client, router, "decode", 4, prompt_len=600, answer=1400)
         state = client.wait_drained(cluster.identity_url("prefill"))
