@@ -1,9 +1,16 @@
 """The kv_transfer_params of kvpush's two-leg contract (docs/routing.md), built in
 one place for everyone who writes them: the router, the prefill instance's echo,
-and a decode instance completing a leg from a bootstrap server."""
+and a decode instance completing a leg from a bootstrap server.
+
+The prefill echo also carries upstream NixlConnector's fields (remote_block_ids,
+remote_host, remote_port, remote_request_id, tp_size, ...), with upstream's types:
+routers built for NixlConnector read them, and some forward the echo to decode only
+when they are there (vllm-router's NIXL mode).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -21,6 +28,31 @@ def decode_params(transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
         "tp_size": identity["tp_size"],
         "remote_dp_rank": identity.get("dp_rank", 0),
         "remote_data_parallel": bool(identity.get("data_parallel", False)),
+    }
+
+
+def prefill_echo(
+    transfer_id: str,
+    identity: dict[str, Any],
+    block_ids: Sequence[int],
+    request_id: str,
+    num_tokens: int,
+) -> dict[str, Any]:
+    """What a prefill instance answers in kv_transfer_params: the decode leg's params,
+    plus upstream NixlConnector's fields. `remote_host`/`remote_port` name this
+    instance's identity endpoint (as upstream's name the endpoint serving every
+    rank's handshake): a decode handed only those finds the rest there.
+    `request_id` is the id a router that matches legs by X-Request-Id knows it by."""
+    host, _, port = str(identity["endpoint"]).rpartition(":")
+    return {
+        **decode_params(transfer_id, identity),
+        "remote_block_ids": [[int(b) for b in block_ids]],  # one list per KV cache group
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": int(port),
+        "pp_size": 1,
+        "dcp_size": 1,
+        "remote_num_tokens": int(num_tokens),
     }
 
 

@@ -148,7 +148,6 @@ class Cluster:
     ) -> str:
         """Start (or restart) the router `name` in front of the named servers (or of
         other instances, given as router specs: "http://..."); its URL."""
-        self.stop_router(name)
         port = free_port()
         command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
                    "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
@@ -160,6 +159,15 @@ class Cluster:
                 "--decode",
                 server if server.startswith("http") else self.servers[server].url,
             ]
+        return self.start_router_command(name, command, port, ready_path="/metrics")
+
+    def start_router_command(
+        self, name: str, command: list[str], port: int, ready_path: str = "/health"
+    ) -> str:
+        """Start (or restart) router `name` as `command`, which serves on `port`
+        (kvpush's own, or one a user runs, such as vllm-router); its URL once it
+        answers `ready_path`."""
+        self.stop_router(name)
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
         router = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -167,7 +175,7 @@ class Cluster:
         log.close()
         url = f"http://127.0.0.1:{port}"
         self.routers[name] = (router, url)
-        _wait_http(url + "/metrics", 60, router)
+        _wait_http(url + ready_path, 60, router)
         return url
 
     def stop_router(self, name: str = "router") -> None:

@@ -226,9 +226,12 @@ class Node:
 
         self._submit_fn(run, transfer_id)
 
-    def kv_pending(self, transfer_id: str) -> None:
-        """Producer: the engine holds the request; it will compute its KV."""
-        self._submit(self.producer.kv_pending, transfer_id)
+    def kv_pending(self, transfer_id: str, sequential: bool = False) -> None:
+        """Producer: the engine holds the request; it will compute its KV.
+        `sequential`: the producer named the transfer (Producer.kv_pending)."""
+        self._submit_fn(
+            lambda now: self.producer.kv_pending(transfer_id, now, sequential), transfer_id
+        )
 
     def kv_ready(
         self,

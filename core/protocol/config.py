@@ -28,6 +28,10 @@ class ProtocolConfig:
     max_wait_s: the most a consumer waits for one transfer, heartbeats or not, so a
         producer whose engine hangs cannot keep decode's blocks forever.
     tombstone_s: how long an ended transfer id is remembered, to answer latecomers.
+    orphan_grace_s: how long a producer holds the computed KV of a transfer it named
+        itself (its orchestrator sends the decode leg only after prefill answered)
+        for a consumer to announce it; one that has not by then never will. It only
+        shortens the lease: a lease_s below it wins.
     """
 
     mode: str = "push"
@@ -39,6 +43,7 @@ class ProtocolConfig:
     landing_s: float = 5.0
     max_wait_s: float = 600.0
     tombstone_s: float = 300.0
+    orphan_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

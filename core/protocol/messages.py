@@ -18,7 +18,8 @@ from kvpush.layout import KVLayout
 # 2: PullRequest names the blocks the consumer holds already (skip_blocks); NIXL
 #    metadata moves out of Hello into AgentMetadata, after Verify.
 # 3: Writing, so a consumer calls into NIXL often only while bytes may be moving.
-PROTOCOL_VERSION = 3
+# 4: the "orphaned" failure reason.
+PROTOCOL_VERSION = 4
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
 MAX_TRANSFER_ID = 256
@@ -30,6 +31,7 @@ REASONS = (
     "handshake_failed",  # the peers could not pair: version, mode, layout, auth, metadata
     "aborted",  # either side's engine aborted the request
     "lease_expired",  # the producer freed the KV before the consumer claimed it
+    "orphaned",  # nobody announced KV the producer named itself within orphan_grace_s
     "watchdog_expired",  # the consumer heard nothing in time
     "registration_expired",  # the producer never got the KV for a registration in time
     "bad_blocks",  # block ids out of range, wrong count, or a stale layout

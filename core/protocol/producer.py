@@ -134,6 +134,10 @@ class _Transfer:
     skip_blocks: int = 0  # leading source blocks the consumer holds already
     pull_blocks: int = 0  # pull: blocks the consumer asked for
     reason: str = ""  # cancelling, failing, abandoned: why the transfer ends
+    # The producer named it (a sequential orchestrator's leg): unless a consumer
+    # announces it, its computed KV is held only orphan_grace_s.
+    sequential: bool = False
+    announced: bool = False  # a consumer's heartbeat named it before claiming it
     detail: str = ""  # failing: what the consumer is told
 
 
@@ -175,14 +179,18 @@ class Producer:
 
     # -- engine events ---------------------------------------------------------------
 
-    def kv_pending(self, transfer_id: str, now: float) -> list[Action]:
-        """The engine has the request: registrations for it are worth keeping."""
+    def kv_pending(self, transfer_id: str, now: float, sequential: bool = False) -> list[Action]:
+        """The engine has the request: registrations for it are worth keeping.
+        `sequential`: the producer named the transfer, and the consumer's leg comes
+        only once the engine answered (see orphan_grace_s)."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None and transfer_id not in self._tombstones:
-            self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
+            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
             self._deadlines.set(("reg", transfer_id), now + self.config.registration_ttl_s)
         elif transfer is not None and transfer.state == State.EARLY:
             TRANSITIONS.move(transfer, State.CLAIMED)
+        if transfer is not None:
+            transfer.sequential = sequential
         arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         return []
 
@@ -230,7 +238,12 @@ class Producer:
         if transfer.peer is not None:
             return self._grant(transfer, now)
         TRANSITIONS.move(transfer, State.HELD)
-        lease = max(now + self.config.lease_s, self._deadlines.get(("claim", transfer_id)) or 0)
+        announced = self._deadlines.get(("claim", transfer_id))
+        transfer.announced = transfer.announced or announced is not None
+        hold = self.config.lease_s
+        if transfer.sequential and not transfer.announced:
+            hold = min(self.config.orphan_grace_s, hold)
+        lease = max(now + hold, announced or 0)
         self._deadlines.cancel(("claim", transfer_id))
         self._deadlines.set(("lease", transfer_id), lease)
         return []
@@ -574,6 +587,7 @@ class Producer:
                 continue
             if transfer.peer not in (None, peer) or transfer.state in _ENDING:
                 continue
+            transfer.announced = True
             self._deadlines.extend(("lease", tid), now + self.config.lease_s)
             self._deadlines.extend(("reg", tid), now + self.config.registration_ttl_s)
         return []
@@ -614,6 +628,8 @@ class Producer:
 
     def _expire(self, transfer: _Transfer, kind: str, now: float) -> list[Action]:
         reason = "lease_expired" if kind == "lease" else "registration_expired"
+        if kind == "lease" and transfer.state == State.HELD and not transfer.announced:
+            reason = "orphaned" if transfer.sequential else reason
         if transfer.state in _WRITE_IN_FLIGHT:
             self._fail_after_write(transfer, reason, "")
             return []

@@ -13,6 +13,11 @@ kvpush prefill instance serves that query (`bootstrap_port`), with its kvpush id
 added to each entry; a kvpush decode instance given such a leg asks the named
 bootstrap server itself, off the engine's thread, and caches what it learns for a
 short while, so an instance that restarts is learnt afresh.
+
+The same resolver completes a decode leg that names its producer only by the
+prefill echo's `remote_host` and `remote_port` (vllm-router's NIXL push mode keeps
+nothing else of it): they name the prefill instance's kvpush identity endpoint,
+whose `GET /query` answers the identity itself.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 CACHE_S = 10.0  # how long a learnt identity is used before it is asked for again
 RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
 TIMEOUT_S = 3.0
+MAX_ANSWER = 1 << 20  # bytes: a thousand DP ranks' identities fit
 
 
 def mooncake_query(identities: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,8 +96,11 @@ class BootstrapResolver:
                 if entry.error and age < RETRY_S:
                     raise LegError(
                         "bootstrap_unreachable",
-                        f"the bootstrap server {address} named by the decode leg did not "
-                        f"answer: {entry.error}",
+                        f"the endpoint {address} the decode leg names its producer by did "
+                        f"not answer kvpush's identity query ({entry.error}): unless it is "
+                        "down, the prefill instance is not running KVPushConnector (an "
+                        "upstream NixlConnector, say), and a KVPushConnector decode "
+                        "instance cannot pair with it",
                     )
                 # A fresh answer without the engine is a restart under a new engine id
                 # only if it is not very fresh: ask again, then believe it.
@@ -126,12 +135,20 @@ class BootstrapResolver:
         threading.Thread(target=run, name="kvpush-bootstrap", daemon=True).start()
 
 
+def _entries(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engines an endpoint's GET /query names: a Mooncake-shaped answer lists one
+    per DP rank; a kvpush identity endpoint's answer is the one engine itself."""
+    if answer.get("kvpush") is True and "engine_id" in answer:
+        return [{"engine_id": answer["engine_id"], "kvpush": answer}]
+    return [e for e in answer.values() if isinstance(e, dict)]
+
+
 def _has(answer: dict[str, Any], engine_id: str) -> bool:
-    return any(isinstance(e, dict) and e.get("engine_id") == engine_id for e in answer.values())
+    return any(e.get("engine_id") == engine_id for e in _entries(answer))
 
 
 def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any]:
-    entries = [e for e in answer.values() if isinstance(e, dict)]
+    entries = _entries(answer)
     for entry in entries:
         if entry.get("engine_id") != engine_id:
             continue
@@ -152,10 +169,13 @@ def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any
     )
 
 
-def fetch_query(address: str) -> dict[str, Any]:
-    """A bootstrap server's GET /query answer."""
-    with urllib.request.urlopen(address.rstrip("/") + "/query", timeout=TIMEOUT_S) as response:
-        answer = json.loads(response.read())
+def fetch_query(address: str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """A bootstrap server's GET /query answer (at most MAX_ANSWER bytes of it)."""
+    with urllib.request.urlopen(address.rstrip("/") + "/query", timeout=timeout) as response:
+        body = response.read(MAX_ANSWER + 1)
+    if len(body) > MAX_ANSWER:
+        raise ValueError(f"/query answered more than {MAX_ANSWER} bytes")
+    answer = json.loads(body)
     if not isinstance(answer, dict):
         raise ValueError(f"/query answered {type(answer).__name__}, not an object")
     return answer

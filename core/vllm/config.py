@@ -40,7 +40,8 @@ class ConnectorConfig:
     port: side-channel port of the first worker; TP rank r of DP rank d listens on
         port + d * tp_size + r (0: any free).
     identity_port: where this instance serves GET /query, its kvpush identity for
-        routers (0: not served); DP rank d serves its own on identity_port + d.
+        routers (0: any free port; the prefill echo's remote_host and remote_port
+        name it); DP rank d serves its own on identity_port + d.
     bootstrap_port: where this instance serves Mooncake's bootstrap GET /query, for
         routers built for MooncakeConnector (0: not served; kvpush.vllm.bootstrap).
         DP rank 0 serves it for every DP rank (with DP > 1 it asks the others at
@@ -63,7 +64,7 @@ class ConnectorConfig:
     ucx_error_handling: "none" (default, fastest here) or "peer".
     device_options: passed to the device backend (e.g. {"staging": "host"}).
     Protocol timers (seconds): lease_s, registration_ttl_s, watchdog_s, heartbeat_s,
-        write_grace_s, landing_s, max_wait_s, tombstone_s.
+        write_grace_s, landing_s, max_wait_s, tombstone_s, orphan_grace_s.
     """
 
     mode: str = "push"

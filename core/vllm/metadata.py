@@ -36,6 +36,19 @@ class Announce:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """Prefill: the engine took the request for `transfer_id`; it will compute its KV.
+
+    `sequential`: its prefill leg brought no transfer id (kvpush named it), so its
+    orchestrator sends the decode leg only after this instance answers: a decode
+    that has not announced itself within orphan_grace_s of the answer never will.
+    """
+
+    transfer_id: str
+    sequential: bool = False
+
+
+@dataclass(frozen=True)
 class Produce:
     """Prefill: the KV of `transfer_id` will be complete at the end of this step."""
 
@@ -61,7 +74,7 @@ class KVPushMetadata(KVConnectorMetadata):
     announces: list[Announce] = field(default_factory=list)
     produces: list[Produce] = field(default_factory=list)
     progress: list[Progress] = field(default_factory=list)
-    pending: list[str] = field(default_factory=list)  # prefill transfer ids admitted
+    pending: list[Pending] = field(default_factory=list)  # prefill requests admitted
     aborts: list[str] = field(default_factory=list)  # transfer ids given up (either role)
     rejects: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
     doorbell: int = 0  # the scheduler's doorbell port (kvpush.vllm.wake)

@@ -9,11 +9,15 @@ kv_transfer_params, the two-leg contract (docs/routing.md):
   prefill leg   {"do_remote_decode": true, "transfer_id": T}
   decode leg    {"do_remote_prefill": true, "transfer_id": T, "transfer_mode": M,
                  "remote_engine_id": E, "remote_epoch": X, "remote_addresses": [...]}
-and the prefill response echoes the producer's identity in the decode-leg shape.
+and the prefill response echoes the producer's identity in the decode-leg shape,
+with upstream NixlConnector's fields beside it (kvpush.kv_params.prefill_echo).
 A prefill leg with no transfer_id (a sequential orchestrator sending upstream
-NixlConnector's shape) gets one named here, so the echo it forwards still moves KV;
-a decode leg that names only a bootstrap server (a Mooncake-mode router's) is
-completed from that server's answer (kvpush.vllm.bootstrap).
+NixlConnector's shape) gets one named here, after its API request, so the echo it
+forwards still moves KV; a decode leg that names its producer only by an endpoint
+(a Mooncake-mode router's bootstrap server, or the remote_host and remote_port of
+the echo, which vllm-router's NIXL push mode keeps while dropping the rest) is
+completed from that endpoint's answer (kvpush.vllm.bootstrap), and takes the
+transfer its prefill leg's instance named.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.errors import ConfigError, ProtocolError
-from kvpush.kv_params import decode_params
+from kvpush.kv_params import decode_params, prefill_echo
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, rank_port
@@ -36,11 +40,12 @@ from kvpush.vllm.metadata import (
     KVPushHandshake,
     KVPushMetadata,
     KVPushWorkerMeta,
+    Pending,
     Produce,
     Progress,
 )
 from kvpush.vllm.spans import Spans
-from kvpush.vllm.transfers import EngineTransfers, api_request_id
+from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
 from kvpush.vllm.wake import Doorbell
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,7 @@ class _Producing:
     base_id: str  # the router's, echoed to it
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
+    named_here: bool = False  # the prefill leg brought no transfer id: we named it
     signalled: bool = False  # a step computing its last prompt token was scheduled
     progressed: bool = False  # a step computing an earlier chunk was (progressive push)
     spoiled: bool = False  # preempted after either: what a WRITE reads is not its KV
@@ -86,7 +92,9 @@ class SchedulerSide:
         self.prefix_caching = prefix_caching
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
         self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
-        self.recomputes: Counter[str] = Counter()  # reason -> decode prompts computed here
+        # Since the last stats(), by reason: decode prompts computed here, and legs
+        # whose other leg's params never came.
+        self.counts: dict[str, Counter[str]] = {"recomputed": Counter(), "orphaned": Counter()}
         # One of several DP ranks (vLLM runs each as an engine of its own): its ports
         # are offset by the rank, and DP rank 0 speaks for all in the bootstrap answer.
         self.dp_rank, self.data_parallel = dp_rank, data_parallel
@@ -134,7 +142,7 @@ class SchedulerSide:
             # This boot, as decode legs will name it: every rank's own, so a decode
             # worker can check the one it pairs with.
             self.epoch = EPOCH_SEPARATOR.join(handshakes[r].epoch for r in sorted(handshakes))
-        if self.config.identity_port and self.identity_server is None:
+        if self.identity_server is None:
             routes = {
                 "/query": lambda _: self.identity(),
                 "/kvpush/state": lambda _: self.state(),
@@ -151,8 +159,10 @@ class SchedulerSide:
 
     def identity(self) -> dict[str, Any]:
         """This instance as routers see it: GET /query, and the prefill response echo."""
+        port = self.identity_server.port if self.identity_server is not None else 0
         return {
             "engine_id": self.engine_id,
+            "endpoint": f"{self.config.host}:{port}",
             "epoch": self.epoch,
             "transfer_mode": self.config.protocol.mode,
             "tp_size": self.world,
@@ -199,6 +209,7 @@ class SchedulerSide:
         elif params.get("do_remote_prefill"):
             self._admit_decode(request, params)
         elif self.consumer_only:
+            self.counts["orphaned"]["no_kv_transfer_params"] += 1
             self._recomputed(
                 "no_kv_transfer_params",
                 f"request {request.request_id} came with no kv_transfer_params: its "
@@ -357,11 +368,11 @@ class SchedulerSide:
                 self._recomputed("transfer_failed")
 
     def stats(self) -> dict[str, dict[str, int]] | None:
-        """Decode prompts computed here since the last call, by reason (None: none)."""
-        if not self.recomputes:
-            return None
-        counts, self.recomputes = dict(self.recomputes), Counter()
-        return {"recomputed": counts}
+        """The counts since the last call, by reason (None: none)."""
+        counts = {key: dict(counter) for key, counter in self.counts.items() if counter}
+        for counter in self.counts.values():
+            counter.clear()
+        return counts or None
 
     # -- internals ----------------------------------------------------------------------
 
@@ -371,7 +382,8 @@ class SchedulerSide:
             return
         self._admitted.add(request_id)
         base = params.get("transfer_id")
-        if base is None:
+        named_here = base is None
+        if named_here:
             base = self._name_transfer(request_id)
         try:
             check_transfer_id(base if isinstance(base, str) else "")
@@ -385,8 +397,8 @@ class SchedulerSide:
             return
         tid, _ = self._ids.assign(request, base)
         prompt_len = len(request.prompt_token_ids or ())
-        self._producing[request_id] = _Producing(tid, base, prompt_len)
-        self._next.pending.append(tid)
+        self._producing[request_id] = _Producing(tid, base, prompt_len, named_here=named_here)
+        self._next.pending.append(Pending(tid, sequential=named_here))
         self.spans.begin(request_id, "prefill", base)
 
     def _name_transfer(self, request_id: str) -> str:
@@ -406,7 +418,7 @@ class SchedulerSide:
         when the caller has not logged it itself."""
         if message:
             self._once(reason, logging.WARNING, f"{message} (vllm:kvpush_local_recomputes_total)")
-        self.recomputes[reason] += 1
+        self.counts["recomputed"][reason] += 1
 
     def _once(self, key: str, level: int, message: str) -> None:
         if key not in self._said:
@@ -462,16 +474,22 @@ class SchedulerSide:
         )
 
     def _learn_producer(self, request_id: str, params: dict[str, Any]) -> bool:
-        """Complete a leg that names its producer only by a bootstrap server (a
-        Mooncake-mode router's); False while the server is being asked."""
-        address = params.get("remote_bootstrap_addr")
-        if "remote_addresses" in params or not isinstance(address, str):
+        """Complete a leg that names its producer only by an endpoint: a Mooncake-mode
+        router's bootstrap server, or the echo's remote_host and remote_port (all that
+        vllm-router's NIXL push mode keeps of it). False while the endpoint is being
+        asked. A leg without a transfer id takes the one its prefill leg's instance
+        named (both legs carry the router's X-Request-Id)."""
+        if "remote_addresses" in params:
             return True
+        address = _producer_endpoint(params)
+        if address is None:
+            return True  # nothing to learn from: _decode_leg_problem says why
         engine = str(params.get("remote_engine_id") or "")
         identity = self.bootstrap.producer(address, engine)
         if identity is None:
             return False
-        params.update(decode_params(params.get("transfer_id"), identity))
+        transfer_id = params.get("transfer_id") or _named_by_prefill(request_id, params)
+        params.update(decode_params(transfer_id, identity))
         self._learnt_from[request_id] = address
         return True
 
@@ -518,7 +536,10 @@ class SchedulerSide:
             # A WRITE may be reading the blocks: free them only when the producer says so.
             self._next.aborts.append(producing.transfer_id)
         self._sending.add(request.request_id)
-        return True, decode_params(producing.base_id, self.identity())
+        base = producing.base_id
+        # The id a router matching legs by X-Request-Id knows the request by.
+        known_as = base.removeprefix(api_kind(base)) if producing.named_here else base
+        return True, prefill_echo(base, self.identity(), block_ids, known_as, producing.prompt_len)
 
     def _decline(self, tid: str, params: dict[str, Any]) -> None:
         """Tell the producer nobody here claims `tid`: it frees any KV made for it."""
@@ -549,6 +570,29 @@ class SchedulerSide:
                 return new.num_computed_tokens + scheduled
         cached = out.scheduled_cached_reqs
         return cached.num_computed_tokens[cached.req_ids.index(request_id)] + scheduled
+
+
+def _producer_endpoint(params: dict[str, Any]) -> str | None:
+    """The URL of the endpoint a decode leg names its producer by, if any."""
+    bootstrap = params.get("remote_bootstrap_addr")
+    if isinstance(bootstrap, str):
+        return bootstrap
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if isinstance(host, str) and host and isinstance(port, int) and not isinstance(port, bool):
+        return f"http://{host}:{port}"
+    return None
+
+
+def _named_by_prefill(request_id: str, params: dict[str, Any]) -> str:
+    """The transfer id a prefill instance named for the API request this decode leg
+    belongs to (SchedulerSide._name_transfer): the same derivation from our own
+    request id, as a router giving both legs one X-Request-Id makes them alike; or,
+    should the ids differ, from the remote_request_id the router says it used."""
+    mine = api_request_id(request_id)
+    theirs = params.get("remote_request_id")
+    if isinstance(theirs, str) and theirs and not mine.endswith(theirs):
+        return api_kind(mine) + theirs
+    return mine
 
 
 def _status(request: Any) -> str:

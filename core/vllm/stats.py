@@ -19,7 +19,9 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "handshakes_refused")
 SAMPLES = ("done_to_ready_s",)
-BY_REASON = ("recomputed",)  # the scheduler's: decode prompts computed locally, per reason
+# Per reason: decode prompts computed locally (the scheduler's), and transfers whose
+# other leg never came (prefill: KV nobody announced; decode: a leg without params).
+BY_REASON = ("recomputed", "orphaned")
 
 
 @dataclass
@@ -31,6 +33,11 @@ class KVPushStats(KVConnectorStats):
             self.data.setdefault(key, [])
         for key in BY_REASON:
             self.data.setdefault(key, {})
+
+    def count(self, key: str, reason: str, value: int = 1) -> None:
+        """Count `value` under `reason` of the per-reason count `key`."""
+        counts = self.data[key]
+        counts[reason] = counts.get(reason, 0) + value
 
     def reset(self) -> None:
         self.data = {}
@@ -89,12 +96,21 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             per_engine_labelvalues,
         )
         # Labelled by reason too, so children are made as reasons appear.
-        self.recomputed = self._counter_cls(
-            name="vllm:kvpush_local_recomputes_total",
-            documentation="Decode prompts computed locally because no transfer served them, "
-            "by reason (kv_load_failure_policy recompute, or no kv_transfer_params)",
-            labelnames=[*labelnames, "reason"],
-        )
+        self.by_reason = {
+            "recomputed": self._counter_cls(
+                name="vllm:kvpush_local_recomputes_total",
+                documentation="Decode prompts computed locally because no transfer served "
+                "them, by reason (kv_load_failure_policy recompute, or no kv_transfer_params)",
+                labelnames=[*labelnames, "reason"],
+            ),
+            "orphaned": self._counter_cls(
+                name="vllm:kvpush_orphaned_total",
+                documentation="Transfers whose other leg never came, by reason: prefill KV "
+                "no decode announced within orphan_grace_s, or a decode leg whose "
+                "orchestrator dropped the prefill answer's kv_transfer_params",
+                labelnames=[*labelnames, "reason"],
+            ),
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key in COUNTS:
@@ -104,8 +120,9 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         for sample in transfer_stats_data.get("done_to_ready_s", []):
             self.done_to_ready[engine_idx].observe(sample)
         engine = self.per_engine_labelvalues[engine_idx]
-        for reason, count in (transfer_stats_data.get("recomputed") or {}).items():
-            self.recomputed.labels(*engine, reason).inc(count)
+        for key, counter in self.by_reason.items():
+            for reason, count in (transfer_stats_data.get(key) or {}).items():
+                counter.labels(*engine, reason).inc(count)
 
 
 _DOCS = {

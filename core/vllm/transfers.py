@@ -88,6 +88,12 @@ _RANDOM = re.compile(r"-[0-9a-f]{8}$")
 _INDEX = {"cmpl-": re.compile(r"-\d+$"), "chatcmpl-": re.compile(r"_\d+$")}
 
 
+def api_kind(request_id: str) -> str:
+    """The endpoint prefix of a request id vLLM's API server made ("cmpl-",
+    "chatcmpl-"), or "" for an id in another shape."""
+    return next((prefix for prefix in _INDEX if request_id.startswith(prefix)), "")
+
+
 def api_request_id(engine_request_id: str) -> str:
     """The id of the API request an engine request came from: alike for every prompt
     of a list and every choice of `n`, so all of them can share one transfer id.

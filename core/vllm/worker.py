@@ -145,8 +145,8 @@ class WorkerSide:
             self._parking.park()
         else:
             self._parking.unpark()
-        for tid in meta.pending:
-            node.kv_pending(tid)
+        for pending in meta.pending:
+            node.kv_pending(pending.transfer_id, pending.sequential)
         for announce in meta.announces:
             node.announce(announce.transfer_id, announce.producers[self.rank])
         for expect in meta.expects:
@@ -226,6 +226,13 @@ class WorkerSide:
                 self._released.add(request_id)
                 self._stats.data["released"] += 1
                 self._stats.data["bytes"] += outcome.nbytes  # sent, on a producer
+            if outcome.reason == "orphaned":
+                log.warning(
+                    "kvpush: released the KV of %s: no decode announced it within "
+                    "orphan_grace_s of the answer (does the orchestrator forward "
+                    "kv_transfer_params to decode?)", tid,
+                )  # fmt: skip
+                self._stats.count("orphaned", "no_decode_announced")
             return
         request_id = self._receiver_of.pop(tid, None)
         if request_id is None:

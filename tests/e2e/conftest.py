@@ -31,7 +31,8 @@ UPSTREAM_PREFILL_LEG = {
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
 }  # fmt: skip
 DECODE_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0}
-PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0}
+# A prefill answer no decode announces is let go after orphan_grace_s: short here.
+PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0, "orphan_grace_s": 3.0}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

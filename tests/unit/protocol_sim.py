@@ -236,6 +236,7 @@ class Sim:
             landing_s=3,
             tombstone_s=60,
             max_wait_s=40,
+            orphan_grace_s=3,
         )
         self.mode = self.config.mode
         self.now = 0.0
@@ -313,8 +314,8 @@ class Sim:
         self.kv_ready.add(tid)
         return list(self.p_blocks[tid])
 
-    def pending(self, tid: str) -> None:
-        self._run_producer(self.producer.kv_pending(tid, self.now))
+    def pending(self, tid: str, sequential: bool = False) -> None:
+        self._run_producer(self.producer.kv_pending(tid, self.now, sequential))
 
     def abort_consumer(self, tid: str, consumer: str | None = None) -> None:
         side = self.consumers[consumer] if consumer else self.c

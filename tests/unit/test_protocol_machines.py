@@ -162,6 +162,54 @@ def test_late_registration_after_lease_expiry_fails_fast():
     sim.check()
 
 
+def test_kv_a_sequential_orchestrator_never_claims_is_released_after_the_grace():
+    """The producer named the transfer (no transfer id on the prefill leg): its decode
+    leg comes only after the answer, so a decode that has not announced it within
+    orphan_grace_s never will. A late one is refused by name."""
+    sim = Sim()
+    sim.pending("t1", sequential=True)
+    sim.ready("t1")
+    sim.advance(sim.config.orphan_grace_s - 1)
+    assert "t1" not in sim.released
+    sim.advance(2)
+    assert sim.released == {"t1": "orphaned"}
+    sim.expect("t1")
+    sim.deliver()
+    sim.deliver()
+    assert sim.c.failed == {"t1": "orphaned"}
+    sim.settle()
+    sim.check()
+
+
+@pytest.mark.parametrize("announced_first", [True, False])
+def test_a_sequential_transfer_a_decode_announced_keeps_the_whole_lease(announced_first):
+    sim = Sim()
+    if announced_first:  # decode's heartbeat came before prefill heard of the request
+        sim._run_consumer(sim.c, sim.c.machine.announce("t1", PRODUCER, sim.now))
+        sim.deliver()
+    sim.pending("t1", sequential=True)
+    sim.ready("t1")
+    if not announced_first:
+        sim._run_consumer(sim.c, sim.c.machine.announce("t1", PRODUCER, sim.now))
+    sim.advance(sim.config.orphan_grace_s * 2)
+    assert "t1" not in sim.released
+    sim.expect("t1")
+    sim.settle()
+    assert sim.c.delivered == ["t1"]
+    sim.check()
+
+
+def test_a_transfer_the_router_named_keeps_the_whole_lease_unannounced():
+    sim = Sim()
+    sim.pending("t1")
+    sim.ready("t1")
+    sim.advance(sim.config.orphan_grace_s * 2)
+    assert "t1" not in sim.released
+    sim.advance(sim.config.lease_s)
+    assert sim.released == {"t1": "lease_expired"}
+    sim.check()
+
+
 def test_heartbeats_keep_finished_kv_while_decode_queues():
     sim = Sim()
     sim.ready("t1")

