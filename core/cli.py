@@ -47,6 +47,13 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _secret(args: argparse.Namespace) -> int:
+    from kvpush.vllm.config import new_secret
+
+    print(new_secret())
+    return 0
+
+
 def _bench_transfer(args: argparse.Namespace) -> int:
     from kvpush.bench import transfer
 
@@ -384,6 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
         "servers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
     )
     router.set_defaults(run=_router)
+
+    secret = commands.add_parser(
+        "secret",
+        help="print a new shared secret for a deployment (set it as KVPUSH_SECRET on every "
+        "prefill and decode instance)",
+    )
+    secret.set_defaults(run=_secret)
 
     demo = commands.add_parser(
         "demo", help="tiny model, vLLM prefill + decode with kvpush, router, a few requests"

@@ -12,7 +12,9 @@ computes. Pull mode keeps the sequential hand-off and forwards the prefill's ech
 
     import kvpush.ray_serve
     kvpush.ray_serve.register()          # in the driver, before building the app
-    app = build_pd_openai_app({...})     # KVPushConnector in both kv_transfer_configs
+    config = {...}                       # KVPushConnector in both kv_transfer_configs
+    kvpush.ray_serve.share_secret(config)  # one secret for this deployment's replicas
+    app = build_pd_openai_app(config)
 
 `register()` writes to Ray's internal registry (`ray.llm._internal`); Ray 2.60 has
 no public way to add a backend.
@@ -29,8 +31,20 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 
 from kvpush.demo.cluster import free_port
 from kvpush.router.legs import prefill_leg
+from kvpush.vllm.config import ENV_SECRET, new_secret
 
 CONNECTOR = "KVPushConnector"
+
+
+def share_secret(pd_config: dict[str, Any], secret: str | None = None) -> str:
+    """Give a P/D app config's prefill and decode replicas one shared secret (a new one
+    unless given), in each replica's environment ($KVPUSH_SECRET): a kvpush instance
+    refuses to start without one. The secret."""
+    secret = secret or new_secret()
+    for key in ("prefill_config", "decode_config"):
+        runtime = pd_config[key].setdefault("runtime_env", {})
+        runtime.setdefault("env_vars", {})[ENV_SECRET] = secret
+    return secret
 
 
 def register() -> None:

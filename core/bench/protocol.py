@@ -18,12 +18,13 @@ transferred byte. Identical Node code runs both modes; only the protocol differs
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ class Settings:
     decode_step_s: float = 0.010
     requests_per_stream: int = 8
     idle_seconds: float = 3.0
+    secret: bytes = field(default_factory=lambda: os.urandom(16))  # the pair's, per run
 
 
 @dataclass
@@ -107,7 +109,9 @@ def _commands(conn: Any, wait: bool) -> list[tuple[str, Any]] | None:
 def _producer_main(mode: str, settings: Settings, conn: Any) -> None:
     """The prefill engine: steps of compute, each step's KV ready together."""
     buf, kv = _kv(0)
-    config = NodeConfig("bench-prefill", "producer", protocol=ProtocolConfig(mode=mode))
+    config = NodeConfig(
+        "bench-prefill", "producer", protocol=ProtocolConfig(mode=mode), secret=settings.secret
+    )
     node = Node(config, kv, get_backends(["host"])).start()
     conn.send(("address", node.address))
     pool, queue, held = _Pool(), deque(), {}
@@ -141,7 +145,9 @@ def _producer_main(mode: str, settings: Settings, conn: Any) -> None:
 def _consumer_main(mode: str, settings: Settings, producer: str, conn: Any) -> None:
     """The decode engine: admits and notices only at step boundaries."""
     buf, kv = _kv(0)
-    config = NodeConfig("bench-decode", "consumer", protocol=ProtocolConfig(mode=mode))
+    config = NodeConfig(
+        "bench-decode", "consumer", protocol=ProtocolConfig(mode=mode), secret=settings.secret
+    )
     node = Node(config, kv, get_backends(["host"])).start()
     pool, waiting = _Pool(), {}
     arrivals: deque[str] = deque()

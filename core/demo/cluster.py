@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpush.demo.servers import ServerSpec, VllmServer
 from kvpush.errors import KVPushError
-from kvpush.vllm.config import ENV_SECRET, KV_ROLES
+from kvpush.vllm.config import ENV_SECRET, KV_ROLES, new_secret
 
 
 def free_port(span: int = 1) -> int:
@@ -80,10 +80,10 @@ def kvpush_transfer_config(
 class Cluster:
     """Servers and a router under one work directory; stop() ends them all."""
 
-    def __init__(self, workdir: Path, model: Path, secret: str = "kvpush-demo") -> None:
+    def __init__(self, workdir: Path, model: Path, secret: str | None = None) -> None:
         self.workdir = workdir
         self.model = model
-        self.secret = secret
+        self.secret = secret or new_secret()  # this deployment's own
         self.servers: dict[str, VllmServer] = {}
         self.identity_ports: dict[str, int] = {}
         self.routers: dict[str, tuple[subprocess.Popen, str]] = {}

@@ -58,7 +58,7 @@ class LinkPort(Protocol):
 
     def send(self, peer: str, message: Message) -> None: ...
 
-    def connect(self, peer: str) -> None: ...
+    def connect(self, peer: str, engine: str = "", epoch: str = "") -> None: ...
 
 
 class DataPort(Protocol):
@@ -155,7 +155,7 @@ class Interpreter:
         if isinstance(action, act.Send):
             self.links.send(action.peer, action.message)
         elif isinstance(action, act.Connect):
-            self.links.connect(action.peer)
+            self.links.connect(action.peer, action.engine, action.epoch)
         elif isinstance(action, act.PostRead):
             self.settle(self.data.post_read(action))
         elif isinstance(action, act.ExposeBlocks):

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError
+from kvpush.layout import KVLayout
 from kvpush.metrics import Metrics
 from kvpush.node.datapath import DataPath
 from kvpush.node.interpreter import Interpreter, Outcome
@@ -55,13 +56,21 @@ class NodeConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     secret: bytes = b""
+    insecure: bool = False  # an empty secret is refused unless this is set
     nixl_backends: tuple[str, ...] = ()  # empty: the device backend's choice
     connect_timeout_s: float = 5.0
+    handshake_s: float = 10.0  # from connect to paired, or the link is dropped
     epoch: str = field(default_factory=lambda: os.urandom(4).hex())
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise KVPushError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.secret and not self.insecure:
+            raise KVPushError(
+                "a kvpush node needs a shared secret: without one, anyone who reaches "
+                "its side channel can read and write its KV memory (set insecure to "
+                "run without one on purpose)"
+            )
 
     @property
     def identity(self) -> Identity:
@@ -152,6 +161,7 @@ class Node:
             config.secret,
             self.metrics,
             config.connect_timeout_s,
+            config.handshake_s,
         )
         self.interpreter = Interpreter(
             self.producer,
@@ -199,9 +209,13 @@ class Node:
 
     # -- engine API (any thread) -------------------------------------------------------
 
-    def announce(self, transfer_id: str, producer: str) -> None:
-        """Consumer: a request for this transfer arrived; blocks come later."""
-        self._submit(self.consumer.announce, transfer_id, producer)
+    def announce(self, transfer_id: str, producer: str, engine: str = "", epoch: str = "") -> None:
+        """Consumer: a request for this transfer arrived; blocks come later. The
+        producer at `producer` must be engine `engine` in boot `epoch` when given."""
+        self._submit_fn(
+            lambda now: self.consumer.announce(transfer_id, producer, now, engine, epoch),
+            transfer_id,
+        )
 
     def expect(
         self,
@@ -386,15 +400,15 @@ class Node:
             mode=self.config.protocol.mode,
             role=self.config.role,
             agent_name=self.agent.name,
-            layout=self.kv.layout,
+            layout_digest=self.kv.layout.digest(),
             nonce=session.nonce,
             lease_s=self.config.protocol.lease_s,
             registration_ttl_s=self.config.protocol.registration_ttl_s,
         )
 
-    def on_ready(self, peer: str, hello: Hello, outgoing: bool) -> None:
+    def on_ready(self, peer: str, hello: Hello, layout: KVLayout, outgoing: bool) -> None:
         machine = self.consumer if outgoing else self.producer
-        self._run(machine.on_ready(peer, hello, self.clock()))
+        self._run(machine.on_ready(peer, hello, layout, self.clock()))
 
     def on_message(self, peer: str, message: Message, outgoing: bool) -> None:
         machine = self.consumer if outgoing else self.producer

@@ -17,9 +17,12 @@ class Send:
 
 @dataclass(frozen=True)
 class Connect:
-    """Open a session to the producer at `peer` ("host:port")."""
+    """Open a session to the producer at `peer` ("host:port"), which must be engine
+    `engine` in boot `epoch` ("" for either: any) to get our NIXL metadata."""
 
     peer: str
+    engine: str = ""
+    epoch: str = ""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from kvpush.errors import ProtocolError
+from kvpush.layout import KVLayout
 from kvpush.protocol.actions import (
     Action,
     Connect,
@@ -23,6 +24,7 @@ from kvpush.protocol.actions import (
     TransferFailed,
 )
 from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.handshake import unexpected_producer
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -85,6 +87,7 @@ _WRITES_MAY_LAND = (State.REGISTERED, State.LANDING, State.CANCELLING)
 class _Peer:
     state: str  # connecting | ready
     hello: Hello | None = None
+    layout: KVLayout | None = None
 
 
 @dataclass
@@ -120,16 +123,19 @@ class Consumer:
 
     # -- engine events ---------------------------------------------------------------
 
-    def announce(self, transfer_id: str, peer: str, now: float) -> list[Action]:
-        """A request for `transfer_id` arrived; its blocks are not allocated yet.
+    def announce(
+        self, transfer_id: str, peer: str, now: float, engine: str = "", epoch: str = ""
+    ) -> list[Action]:
+        """A request for `transfer_id` arrived; its blocks are not allocated yet. Its
+        decode leg names the producer engine `engine` in boot `epoch` ("": any).
 
         Heartbeats for it start at once, so the producer keeps finished KV for it
         while this engine's queue drains.
         """
         if transfer_id in self._transfers:
             return []
-        self._transfers[transfer_id] = _Transfer(transfer_id, peer)
-        actions = self._ensure_session(peer)
+        self._transfers[transfer_id] = _Transfer(transfer_id, peer, engine=engine, epoch=epoch)
+        actions = self._ensure_session(peer, engine, epoch)
         if self._ready(peer):
             actions.append(Send(peer, Heartbeat([transfer_id])))
         arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
@@ -159,7 +165,7 @@ class Consumer:
         TRANSITIONS.move(transfer, State.CONNECTING)
         transfer.give_up_at = now + self.config.max_wait_s
         self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
-        actions = self._ensure_session(peer)
+        actions = self._ensure_session(peer, engine, epoch)
         if self._ready(peer):
             actions += self._claim(transfer, now)
         arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
@@ -190,9 +196,10 @@ class Consumer:
 
     # -- session events --------------------------------------------------------------
 
-    def on_ready(self, peer: str, hello: Hello, now: float) -> list[Action]:
-        """The handshake with the producer at `peer` completed."""
-        self._peers[peer] = _Peer("ready", hello)
+    def on_ready(self, peer: str, hello: Hello, layout: KVLayout, now: float) -> list[Action]:
+        """The handshake with the producer at `peer` (its KV laid out as `layout`)
+        completed."""
+        self._peers[peer] = _Peer("ready", hello, layout)
         actions: list[Action] = [
             Send(peer, Cancel(tid, "aborted")) for tid in self._held_cancels.pop(peer, ())
         ]
@@ -371,16 +378,21 @@ class Consumer:
         record = self._peers.get(peer)
         return record is not None and record.state == "ready"
 
-    def _ensure_session(self, peer: str) -> list[Action]:
+    def _ensure_session(self, peer: str, engine: str, epoch: str) -> list[Action]:
+        """Dial `peer` unless a session to it exists or is coming; only a producer
+        that is `engine` in `epoch` (as the transfer that dials it names) gets our
+        NIXL metadata."""
         if peer in self._peers:
             return []
         self._peers[peer] = _Peer("connecting")
-        return [Connect(peer)]
+        return [Connect(peer, engine, epoch)]
 
     def _claim(self, transfer: _Transfer, now: float) -> list[Action]:
         """Tell the producer what we want: destinations (push) or a read lease (pull)."""
         assert transfer.blocks is not None
-        problem = _not_the_named_producer(transfer, self._peers[transfer.peer].hello)
+        hello = self._peers[transfer.peer].hello
+        assert hello is not None
+        problem = unexpected_producer(hello, transfer.engine, transfer.epoch)
         if problem:
             # A stale route (the instance restarted, or another deployment's instance
             # now has that address): its KV is not this prompt's.
@@ -461,15 +473,13 @@ class Consumer:
         return [PostRead(transfer.transfer_id, transfer.peer, list(transfer.blocks), remote)]
 
     def _check_grant(self, transfer: _Transfer, remote: list[int]) -> str:
-        producer = self._peers[transfer.peer].hello
+        producer = self._peers[transfer.peer].layout
         assert transfer.blocks is not None and producer is not None
         if len(remote) != len(transfer.blocks):
             return f"granted {len(remote)} blocks for {len(transfer.blocks)} asked"
-        bad = [b for b in remote if b >= producer.layout.num_blocks]
+        bad = [b for b in remote if b >= producer.num_blocks]
         if bad:
-            return (
-                f"granted block ids {bad[:8]} outside the producer's {producer.layout.num_blocks}"
-            )
+            return f"granted block ids {bad[:8]} outside the producer's {producer.num_blocks}"
         return ""
 
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:
@@ -545,19 +555,3 @@ class Consumer:
     def state_of(self, transfer_id: str) -> State | None:
         transfer = self._transfers.get(transfer_id)
         return transfer.state if transfer else None
-
-
-def _not_the_named_producer(transfer: _Transfer, hello: Hello | None) -> str:
-    """Why the peer that said `hello` is not the producer the decode leg names, or ""."""
-    engine, epoch = (hello.identity.engine_id, hello.identity.epoch) if hello else ("", "")
-    if transfer.engine and engine != transfer.engine:
-        return (
-            f"the producer at {transfer.peer} is engine {engine!r}; the decode leg "
-            f"names {transfer.engine!r}"
-        )
-    if transfer.epoch and epoch != transfer.epoch:
-        return (
-            f"the producer at {transfer.peer} restarted: it is in boot {epoch!r}, the "
-            f"decode leg names boot {transfer.epoch!r}"
-        )
-    return ""

@@ -1,9 +1,9 @@
-"""Whether two workers may pair, decided from their hellos alone."""
+"""Whether two workers may pair: from their hellos, then from their KV layouts."""
 
 from __future__ import annotations
 
 from kvpush.errors import RegionError
-from kvpush.layout import pairing_split
+from kvpush.layout import KVLayout, pairing_split
 from kvpush.protocol.messages import Hello
 
 # What a worker does in a pairing; the one list of them (vLLM's kv_role names map
@@ -37,8 +37,30 @@ def pairing_problem(local: Hello, remote: Hello) -> str | None:
             f"rank mismatch: rank {local.identity.rank} here was reached by the peer's "
             f"rank {remote.identity.rank}"
         )
+    return None
+
+
+def unexpected_producer(hello: Hello, engine: str, epoch: str) -> str | None:
+    """Why the producer that said `hello` is not the one a decode leg names (engine
+    `engine` in boot `epoch`; "" for either: any), or None."""
+    identity = hello.identity
+    if engine and identity.engine_id != engine:
+        return f"the producer is engine {identity.engine_id!r}; the decode leg names {engine!r}"
+    if epoch and identity.epoch != epoch:
+        return (
+            f"the producer restarted: it is in boot {identity.epoch!r}, the decode leg "
+            f"names boot {epoch!r}"
+        )
+    return None
+
+
+def layout_problem(local: KVLayout, remote: KVLayout, digest: str) -> str | None:
+    """Why the peer's layout (sent after its hello named its `digest`) cannot pair
+    with ours, or None."""
+    if remote.digest() != digest:
+        return "the peer's KV layout is not the one its hello named"
     try:
-        pairing_split(local.layout, remote.layout)
+        pairing_split(local, remote)
     except RegionError as exc:
         return str(exc)
     return None

@@ -18,7 +18,8 @@ from kvpush.layout import KVLayout
 # 2: PullRequest names the blocks the consumer holds already (skip_blocks); NIXL
 #    metadata moves out of Hello into AgentMetadata, after Verify.
 # 3: Writing, so a consumer calls into NIXL often only while bytes may be moving.
-# 4: the "orphaned" failure reason.
+# 4: the "orphaned" failure reason; layouts move out of Hello into AgentMetadata,
+#    so nothing about our memory is sent before the peer proved itself.
 PROTOCOL_VERSION = 4
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
@@ -55,18 +56,21 @@ class Identity(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """First message each way: who I am, how I transfer, how my KV is laid out.
+    """First message each way: who I am, how I transfer, and the digest of my KV
+    layout.
 
-    Not the NIXL metadata that opens my memory to the peer: a hello signed with the
-    shared secret may be a replay, so that comes in AgentMetadata, once the peer has
-    proved it holds the secret in this very session (see docs/protocol.md).
+    Not the layout itself nor the NIXL metadata that opens my memory to the peer: a
+    hello signed with the shared secret may be a replay, so those come in
+    AgentMetadata, once the peer has proved it holds the secret in this very session
+    (see docs/protocol.md). A hello is small, so a peer that has not proved anything
+    yet may send only a few KiB.
     """
 
     identity: Identity
     mode: str
     role: str  # "producer" | "consumer" | "both"
     agent_name: str
-    layout: KVLayout
+    layout_digest: str
     nonce: bytes
     lease_s: float
     registration_ttl_s: float
@@ -78,10 +82,12 @@ class Verify(msgspec.Struct, tag="verify", frozen=True):
 
 
 class AgentMetadata(msgspec.Struct, tag="agent_metadata", frozen=True):
-    """The sender's NIXL agent metadata: what lets the peer reach its memory. Sent
-    only under the session's keys, after the peer proved itself."""
+    """The sender's KV layout (the one its hello's digest names) and NIXL agent
+    metadata: what lets the peer reach its memory. Sent only under the session's
+    keys, after the peer proved itself."""
 
     metadata: bytes
+    layout: KVLayout
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):

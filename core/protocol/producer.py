@@ -21,6 +21,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvpush.layout import KVLayout
 from kvpush.protocol.actions import (
     Action,
     ChunkSent,
@@ -56,10 +57,11 @@ _FINAL_MEMORY = 65536
 @dataclass
 class _Peer:
     hello: Hello
+    layout: KVLayout
 
     @property
     def num_blocks(self) -> int:
-        return self.hello.layout.num_blocks
+        return self.layout.num_blocks
 
 
 class State(enum.StrEnum):
@@ -159,9 +161,9 @@ class Producer:
 
     # -- sessions --------------------------------------------------------------------
 
-    def on_ready(self, peer: str, hello: Hello, now: float) -> list[Action]:
-        """A consumer completed its handshake as `peer`."""
-        self._peers[peer] = _Peer(hello)
+    def on_ready(self, peer: str, hello: Hello, layout: KVLayout, now: float) -> list[Action]:
+        """A consumer (its KV laid out as `layout`) completed its handshake as `peer`."""
+        self._peers[peer] = _Peer(hello, layout)
         return []
 
     def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
@@ -423,7 +425,7 @@ class Producer:
 
     def _check_destinations(self, peer: str, message: Register) -> str | None:
         consumer = self._peers[peer]
-        if message.layout_digest != consumer.hello.layout.digest():
+        if message.layout_digest != consumer.layout.digest():
             return "the registration names a KV layout other than the one in the handshake"
         if len(message.block_ids) != 1:
             return f"{len(message.block_ids)} KV cache groups; one is supported"

@@ -34,8 +34,10 @@ class Connection:
         on_frame: Callable[[Connection, bytes], None],
         on_close: Callable[[Connection, str], None],
         label: str = "",
+        max_frame: int = MAX_FRAME,
     ) -> None:
         self.loop = loop
+        self.max_frame = max_frame  # the largest frame the peer may send now
         self.sock = sock
         self.on_frame = on_frame
         self.on_close = on_close
@@ -91,8 +93,8 @@ class Connection:
         self._inbuf += data
         while len(self._inbuf) >= HEADER.size:
             (size,) = HEADER.unpack_from(self._inbuf)
-            if size > MAX_FRAME:
-                self.close(f"the peer sent a {size}-byte frame (limit {MAX_FRAME})")
+            if size > self.max_frame:
+                self.close(f"the peer sent a {size}-byte frame (limit {self.max_frame})")
                 return
             if len(self._inbuf) < HEADER.size + size:
                 break

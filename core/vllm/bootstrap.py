@@ -27,7 +27,9 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,9 @@ CACHE_S = 10.0  # how long a learnt identity is used before it is asked for agai
 RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
 TIMEOUT_S = 3.0
 MAX_ANSWER = 1 << 20  # bytes: a thousand DP ranks' identities fit
+MAX_ENTRIES = 256  # endpoints' answers kept (the least recently asked go first)
+MAX_ASKING = 32  # endpoints being asked at once
+QUERY_THREADS = 2
 
 
 def mooncake_query(identities: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,8 +75,11 @@ class _Entry:
 class BootstrapResolver:
     """Identities of prefill instances, learnt from their bootstrap servers.
 
-    `producer` never blocks: a query it needs runs on a thread of its own, and the
-    caller asks again (vLLM asks again while `get_num_new_matched_tokens` says None).
+    `producer` never blocks: a query it needs runs on one of QUERY_THREADS threads,
+    and the caller asks again (vLLM asks again while `get_num_new_matched_tokens`
+    says None). Decode legs name these endpoints, so what they cost is bounded: the
+    last MAX_ENTRIES answers are kept, MAX_ASKING queries may wait, and an answer is
+    read up to MAX_ANSWER bytes.
     """
 
     def __init__(
@@ -82,8 +90,9 @@ class BootstrapResolver:
         self._fetch = fetch or fetch_query
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._asking: set[str] = set()
+        self._pool = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="kvpush-bootstrap")
 
     def producer(self, address: str, engine_id: str) -> dict[str, Any] | None:
         """The kvpush identity of engine `engine_id` at bootstrap server `address`, or
@@ -118,21 +127,30 @@ class BootstrapResolver:
                 self._entries.pop(address, None)
 
     def _ask(self, address: str) -> None:
-        """Query `address` on a thread of its own (once at a time per address)."""
+        """Query `address` on the pool (once at a time per address)."""
         if address in self._asking:
             return
+        if len(self._asking) >= MAX_ASKING:
+            raise LegError(
+                "bootstrap_unreachable",
+                f"{len(self._asking)} producer endpoints are being asked already; "
+                f"{address} was not",
+            )
         self._asking.add(address)
 
         def run() -> None:
             try:
                 answer, error = self._fetch(address), ""
             except Exception as exc:  # any failure is this leg's answer, not a crash
-                answer, error = None, f"{type(exc).__name__}: {exc}"
+                answer, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
             with self._lock:
                 self._entries[address] = _Entry(answer, error, self._clock())
+                self._entries.move_to_end(address)
+                while len(self._entries) > MAX_ENTRIES:
+                    self._entries.popitem(last=False)
                 self._asking.discard(address)
 
-        threading.Thread(target=run, name="kvpush-bootstrap", daemon=True).start()
+        self._pool.submit(run)
 
 
 def _entries(answer: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,8 +7,11 @@ raised when vLLM builds the connector, before any request.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +24,9 @@ from kvpush.transport.agent import AgentConfig
 log = logging.getLogger(__name__)
 
 ENV_SECRET = "KVPUSH_SECRET"
+ENV_SECRET_FILE = "KVPUSH_SECRET_FILE"
+ENV_INSECURE = "KVPUSH_INSECURE"
+MIN_SECRET_BYTES = 16
 # vLLM's kv_role for each kvpush role: kv_producer -> producer, and so on.
 KV_ROLES = {f"kv_{role}": role for role in ROLES}
 
@@ -46,7 +52,16 @@ class ConnectorConfig:
         routers built for MooncakeConnector (0: not served; kvpush.vllm.bootstrap).
         DP rank 0 serves it for every DP rank (with DP > 1 it asks the others at
         their identity ports, so identity_port must be set too).
-    secret: shared secret for message authentication (default $KVPUSH_SECRET).
+    secret: the deployment's shared secret, which authenticates every side-channel
+        message and gates the NIXL metadata that opens the KV cache to a peer
+        (default: $KVPUSH_SECRET; `kvpush secret` prints a new one).
+    secret_file: a file holding the secret instead (default: $KVPUSH_SECRET_FILE).
+    insecure: run without a secret (default false; or $KVPUSH_INSECURE=1): anyone
+        who can reach an instance's API or side channel can then read and write its
+        KV cache. Without a secret and without this, the instance refuses to start.
+    allowed_producers: the producers a decode instance may dial, as host, host:port
+        or CIDR network entries (default: any; a decode leg names its producer, so
+        restrict this wherever clients reach decode's API directly).
     push_granularity: when a producer's KV leaves for decode (push mode):
         "request": all of it once the prompt's last step ends;
         "layer": in that last step, each layer as the forward pass writes it;
@@ -73,6 +88,9 @@ class ConnectorConfig:
     identity_port: int = 0
     bootstrap_port: int = 0
     secret: str | None = None
+    secret_file: str | None = None
+    insecure: bool = False
+    allowed_producers: tuple[str, ...] = ()
     push_granularity: str = "chunk"
     idle_wait_s: float = 0.1
     park_workers: bool = True
@@ -126,6 +144,8 @@ def _checked(key: str, value: Any) -> Any:
         "identity_port": int,
         "bootstrap_port": int,
         "secret": str,
+        "secret_file": str,
+        "insecure": bool,
         "push_granularity": str,
         "park_workers": bool,
         "ucx_error_handling": str,
@@ -153,32 +173,104 @@ def _checked(key: str, value: Any) -> Any:
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"nixl_backends must be a list of names, got {value!r}")
         return tuple(value)
+    if key == "allowed_producers":
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"allowed_producers must be a list of hosts, got {value!r}")
+        return tuple(check_allowed(v) for v in value)
     if key == "device_options" and not isinstance(value, dict):
         raise ConfigError(f"device_options must be an object, got {value!r}")
     return value
 
 
-_warned_no_secret = False
-
-
-def load_secret(configured: str | bytes | None = None, required: bool = False) -> bytes:
-    """The shared secret: configured value, else $KVPUSH_SECRET, else none (warned once)."""
-    global _warned_no_secret
-    value = configured if configured is not None else os.environ.get(ENV_SECRET)
-    if isinstance(value, str):
-        value = value.encode()
+def load_secret(config: ConnectorConfig) -> bytes:
+    """The deployment's shared secret: the `secret` setting, else `secret_file`, else
+    $KVPUSH_SECRET, else $KVPUSH_SECRET_FILE. None at all is a ConfigError unless the
+    operator chose to run insecure (then b"", with a warning)."""
+    value, source = _secret_source(config)
     if value:
+        if len(value) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"the shared secret from {source} is {len(value)} bytes; use at least "
+                f"{MIN_SECRET_BYTES} (`kvpush secret` prints one)"
+            )
         return value
-    if required:
-        raise ConfigError(f"no shared secret: set {ENV_SECRET} or the 'secret' setting")
-    if not _warned_no_secret:
-        _warned_no_secret = True
-        log.warning(
-            "kvpush: no shared secret (%s); control messages are integrity-checked but "
-            "anyone who can reach the side channel can forge them",
-            ENV_SECRET,
+    if not insecure(config):
+        raise ConfigError(
+            f"no shared secret: set {ENV_SECRET} (or {ENV_SECRET_FILE}, or the 'secret' / "
+            "'secret_file' setting) to the same value on every prefill and decode instance; "
+            "`kvpush secret` prints a new one. To run without one, set 'insecure': true "
+            f"(or {ENV_INSECURE}=1): anyone who can reach an instance can then read and "
+            "write its KV cache"
         )
+    log.warning(
+        "kvpush: INSECURE: no shared secret ('insecure' is set): anyone who can reach "
+        "this instance's API or side channel can read and write its KV cache"
+    )
     return b""
+
+
+def insecure(config: ConnectorConfig) -> bool:
+    """Whether the operator chose to run without a secret."""
+    return config.insecure or os.environ.get(ENV_INSECURE, "") not in ("", "0")
+
+
+def _secret_source(config: ConnectorConfig) -> tuple[bytes, str]:
+    if config.secret:
+        return config.secret.encode(), "the 'secret' setting"
+    if config.secret_file:
+        return _read_secret(config.secret_file), f"the file {config.secret_file}"
+    if os.environ.get(ENV_SECRET):
+        return os.environ[ENV_SECRET].encode(), f"${ENV_SECRET}"
+    if os.environ.get(ENV_SECRET_FILE):
+        path = os.environ[ENV_SECRET_FILE]
+        return _read_secret(path), f"the file {path} (${ENV_SECRET_FILE})"
+    return b"", ""
+
+
+def _read_secret(path: str) -> bytes:
+    try:
+        with open(path, "rb") as secret:
+            value = secret.read(4097).strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the shared secret file {path}: {exc}") from exc
+    if not value:
+        raise ConfigError(f"the shared secret file {path} is empty")
+    return value
+
+
+def new_secret() -> str:
+    """A fresh shared secret for a deployment."""
+    return secrets.token_urlsafe(32)
+
+
+def check_allowed(entry: str) -> str:
+    """An allowed_producers entry, checked: a host, host:port, or a CIDR network."""
+    try:
+        ipaddress.ip_network(entry, strict=False)
+        return entry
+    except ValueError:
+        pass
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,253}(:\d{1,5})?", entry):
+        raise ConfigError(f"allowed_producers entry {entry!r} is not a host, host:port or network")
+    return entry
+
+
+def producer_allowed(address: str, allowed: tuple[str, ...]) -> bool:
+    """Whether `address` (host:port, or a URL's host and port) is one `allowed` lets a
+    decode dial; an empty `allowed` lets any."""
+    if not allowed:
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    for entry in allowed:
+        if entry in (address, host):
+            return True
+        try:
+            network = ipaddress.ip_network(entry, strict=False)
+            if ipaddress.ip_address(host) in network:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def rank_port(base: int, offset: int) -> int:

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.config import ConnectorConfig, load_secret
 from kvpush.vllm.frames import find_caller
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
@@ -67,6 +67,7 @@ class KVPushConnector(KVConnectorBase_V1):
         _show_kvpush_logs()
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        load_secret(config)  # no secret, no start (unless insecure): in every process
         engine_id = str(transfer.engine_id)
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size

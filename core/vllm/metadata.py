@@ -33,6 +33,8 @@ class Announce:
 
     transfer_id: str
     producers: tuple[str, ...]
+    engine: str = ""  # as Expect's
+    epochs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

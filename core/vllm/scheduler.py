@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import urllib.parse
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +34,7 @@ from kvpush.errors import ConfigError, ProtocolError
 from kvpush.kv_params import decode_params, prefill_echo
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
-from kvpush.vllm.config import ConnectorConfig, rank_port
+from kvpush.vllm.config import ConnectorConfig, producer_allowed, rank_port
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import (
     Announce,
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+# host:port, the host a name or an IPv4 address (or an IPv6 one in brackets).
+_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):\d{1,5}")
 EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
 FAILED_LOADS_KEPT = 4096
 
@@ -264,12 +268,11 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0][first:last]
         self._consuming[request_id] = tid
         self.spans.mark(request_id, "allocated")
-        producers = tuple(params["remote_addresses"])
-        engine = str(params.get("remote_engine_id") or "")
-        epochs = tuple(str(params.get("remote_epoch") or "").split(EPOCH_SEPARATOR))
+        named = _announce(tid, params)
         self._next.expects.append(
-            Expect(request_id, tid, producers, tuple(block_ids), first, engine, epochs)
-        )
+            Expect(request_id, tid, named.producers, tuple(block_ids), first, named.engine,
+                   named.epochs)
+        )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -433,7 +436,9 @@ class SchedulerSide:
         try:
             if not self._learn_producer(request_id, params):
                 return  # its bootstrap server is being asked; vLLM asks again
-            found = _decode_leg_problem(params, self.config.protocol.mode, self.world)
+            found = _decode_leg_problem(
+                params, self.config.protocol.mode, self.world, self.config.allowed_producers
+            )
         except LegError as exc:
             found = exc.reason, str(exc)
         self._admitted.add(request_id)
@@ -457,7 +462,7 @@ class SchedulerSide:
                 self._sibling_failed(request_id, leader)
             return
         self._announced[request_id] = tid
-        self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+        self._next.announces.append(_announce(tid, params))
         self.spans.begin(request_id, "decode", params["transfer_id"])
 
     def _sibling_failed(self, follower: str, leader: str) -> None:
@@ -481,7 +486,7 @@ class SchedulerSide:
         named (both legs carry the router's X-Request-Id)."""
         if "remote_addresses" in params:
             return True
-        address = _producer_endpoint(params)
+        address = _producer_endpoint(params, self.config.allowed_producers)
         if address is None:
             return True  # nothing to learn from: _decode_leg_problem says why
         engine = str(params.get("remote_engine_id") or "")
@@ -543,7 +548,7 @@ class SchedulerSide:
 
     def _decline(self, tid: str, params: dict[str, Any]) -> None:
         """Tell the producer nobody here claims `tid`: it frees any KV made for it."""
-        self._next.announces.append(Announce(tid, tuple(params["remote_addresses"])))
+        self._next.announces.append(_announce(tid, params))
         self._next.aborts.append(tid)
 
     def _track_prefill_blocks(self, out: Any) -> None:
@@ -572,15 +577,47 @@ class SchedulerSide:
         return cached.num_computed_tokens[cached.req_ids.index(request_id)] + scheduled
 
 
-def _producer_endpoint(params: dict[str, Any]) -> str | None:
-    """The URL of the endpoint a decode leg names its producer by, if any."""
+def _announce(transfer_id: str, params: dict[str, Any]) -> Announce:
+    """The producer a (completed) decode leg names: each rank's address, the engine,
+    and each rank's boot."""
+    return Announce(
+        transfer_id,
+        tuple(params["remote_addresses"]),
+        str(params.get("remote_engine_id") or ""),
+        tuple(str(params.get("remote_epoch") or "").split(EPOCH_SEPARATOR)),
+    )
+
+
+def _producer_endpoint(params: dict[str, Any], allowed: tuple[str, ...]) -> str | None:
+    """The URL of the endpoint a decode leg names its producer by, if any: an
+    http(s) URL of a host `allowed` lets this decode reach. LegError if not."""
     bootstrap = params.get("remote_bootstrap_addr")
-    if isinstance(bootstrap, str):
-        return bootstrap
     host, port = params.get("remote_host"), params.get("remote_port")
-    if isinstance(host, str) and host and isinstance(port, int) and not isinstance(port, bool):
-        return f"http://{host}:{port}"
-    return None
+    if bootstrap is not None:
+        url = urllib.parse.urlsplit(bootstrap if isinstance(bootstrap, str) else "")
+        try:
+            where = f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 80)}"
+        except ValueError:
+            where = ""
+        if url.scheme not in ("http", "https") or not url.hostname or not where:
+            raise LegError(
+                "bad_bootstrap_addr",
+                f"remote_bootstrap_addr must be an http(s) URL, got {str(bootstrap)[:200]!r}",
+            )
+        endpoint = bootstrap
+    elif isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
+        where = f"{host}:{port}"
+        if not _HOST_PORT.fullmatch(where):
+            raise LegError("bad_addresses", f"remote_host {host[:100]!r} is not a host name")
+        endpoint = f"http://{where}"
+    else:
+        return None
+    if not producer_allowed(where, allowed):
+        raise LegError(
+            "producer_not_allowed",
+            f"the decode leg names its producer by {where}, which allowed_producers does not list",
+        )
+    return endpoint
 
 
 def _named_by_prefill(request_id: str, params: dict[str, Any]) -> str:
@@ -599,9 +636,12 @@ def _status(request: Any) -> str:
     return getattr(request.status, "name", str(request.status))
 
 
-def _decode_leg_problem(params: dict[str, Any], mode: str, world: int) -> tuple[str, str] | None:
+def _decode_leg_problem(
+    params: dict[str, Any], mode: str, world: int, allowed: tuple[str, ...]
+) -> tuple[str, str] | None:
     """Why a decode leg's kv_transfer_params cannot be served by kvpush, as (a short
-    reason for metrics, a message for people), or None."""
+    reason for metrics, a message for people), or None. `allowed`: the producers
+    this decode may dial (allowed_producers)."""
     missing = [k for k in ("transfer_id", "remote_addresses") if k not in params]
     if missing:
         return "not_kvpush_params", (
@@ -619,9 +659,18 @@ def _decode_leg_problem(params: dict[str, Any], mode: str, world: int) -> tuple[
             f"transfer mode mismatch: the prefill instance is in {theirs} mode, this one in {mode}"
         )
     addresses = params["remote_addresses"]
-    if not isinstance(addresses, list) or len(addresses) != world or not all(addresses):
+    if (
+        not isinstance(addresses, list)
+        or len(addresses) != world
+        or not all(isinstance(a, str) and _HOST_PORT.fullmatch(a) for a in addresses)
+    ):
         return "bad_addresses", (
-            f"remote_addresses must list one side-channel address per tensor-parallel rank "
-            f"({world} here), got {addresses!r}"
+            f"remote_addresses must list one side-channel host:port per tensor-parallel "
+            f"rank ({world} here), got {str(addresses)[:200]}"
+        )
+    refused = [a for a in addresses if not producer_allowed(a, allowed)]
+    if refused:
+        return "producer_not_allowed", (
+            f"the decode leg names producer {refused[0]}, which allowed_producers does not list"
         )
     return None

@@ -15,7 +15,7 @@ from typing import Any
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.node import Node, NodeConfig
 from kvpush.plugins import Backends, get_backends
-from kvpush.vllm.config import KV_ROLES, ConnectorConfig, load_secret, rank_port
+from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.metadata import (
     KVPushHandshake,
     KVPushMetadata,
@@ -114,7 +114,8 @@ class WorkerSide:
             port=port,
             protocol=self.config.protocol,
             agent=self.config.agent,
-            secret=load_secret(self.config.secret),
+            secret=load_secret(self.config),
+            insecure=insecure(self.config),
             nixl_backends=self.config.nixl_backends,
         )
         self.node = Node(node_config, kv, self.backends, on_outcome=self._ringer.ring).start()
@@ -148,17 +149,21 @@ class WorkerSide:
         for pending in meta.pending:
             node.kv_pending(pending.transfer_id, pending.sequential)
         for announce in meta.announces:
-            node.announce(announce.transfer_id, announce.producers[self.rank])
+            node.announce(
+                announce.transfer_id,
+                announce.producers[self.rank],
+                announce.engine,
+                self._rank_epoch(announce.epochs),
+            )
         for expect in meta.expects:
             self._receiver_of[expect.transfer_id] = expect.request_id
-            epochs = expect.epochs
             node.expect(
                 expect.transfer_id,
                 expect.producers[self.rank],
                 expect.block_ids,
                 expect.skip_blocks,
                 expect.engine,
-                epochs[self.rank] if len(epochs) == self.world else "",
+                self._rank_epoch(expect.epochs),
             )
         for tid in meta.aborts:
             node.abort(tid)
@@ -286,6 +291,10 @@ class WorkerSide:
             except KVPushError as exc:
                 log.warning("kvpush: closing the node: %s", exc)
             self.node = None
+
+    def _rank_epoch(self, epochs: tuple[str, ...]) -> str:
+        """Our producer rank's boot, of every rank's a decode leg names ("": any)."""
+        return epochs[self.rank] if len(epochs) == self.world else ""
 
     def _node(self) -> Node:
         if self.node is None:

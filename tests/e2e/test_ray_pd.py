@@ -80,12 +80,14 @@ def _deploy(
     """The P/D application, serving: each instance's identity URL (prefill replicas
     are prefill0, prefill1, ...; a second decode replica is decode1)."""
     prefill_port, decode_port = free_port(span=prefills), free_port(span=decodes)
-    app = build_pd_openai_app({
+    config = {
         "prefill_config": _llm_config(prefill_model, "kv_producer", mode, 0, prefill_port,
                                       prefills),
         "decode_config": _llm_config(decode_model, "kv_consumer", mode, 1, decode_port,
                                      decodes),
-    })  # fmt: skip
+    }  # fmt: skip
+    kvpush.ray_serve.share_secret(config)
+    app = build_pd_openai_app(config)
     serve.run(app, name="pd", route_prefix="/")
     # kvpush's backend binds kvpush on the node's address; without it, loopback.
     registered = KVConnectorBackendFactory.is_registered(kvpush.ray_serve.CONNECTOR)

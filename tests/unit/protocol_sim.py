@@ -16,6 +16,7 @@ from kvpush.node.interpreter import Interpreter, Outcome, Settled
 from kvpush.protocol import actions as act
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.handshake import unexpected_producer
 from kvpush.protocol.messages import Hello, Identity
 from kvpush.protocol.producer import Producer
 from kvpush.regions import MemRegion
@@ -36,7 +37,7 @@ def hello(role: str, mode: str, blocks: int, name: str, base: int, config: Proto
         mode=mode,
         role=role,
         agent_name=name,
-        layout=layout(blocks, base),
+        layout_digest=layout(blocks, base).digest(),
         nonce=b"n" * 16,
         lease_s=config.lease_s,
         registration_ttl_s=config.registration_ttl_s,
@@ -79,6 +80,7 @@ class ConsumerSide:
     name: str
     machine: Consumer
     hello: Hello
+    layout: KVLayout
     ledger: Ledger
     # (block, layer) -> (transfer id, the producer block it came from)
     memory: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)
@@ -122,7 +124,7 @@ class _ProducerPorts(_Ports):
     def send(self, peer: str, message: object) -> None:
         self.sim.network.append((peer, "producer", message))
 
-    def connect(self, peer: str) -> None:
+    def connect(self, peer: str, engine: str = "", epoch: str = "") -> None:
         self.sim.errors.append(f"the producer dialled {peer}")
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
@@ -172,8 +174,10 @@ class _ConsumerPorts(_Ports):
     def send(self, peer: str, message: object) -> None:
         self.sim.network.append(("producer", self.side.name, message))
 
-    def connect(self, peer: str) -> None:
-        self.sim._handshake(self.side)
+    def connect(self, peer: str, engine: str = "", epoch: str = "") -> None:
+        # As Links does: a producer that is not the one named gets nothing of ours.
+        problem = unexpected_producer(self.sim.producer_hello, engine, epoch)
+        self.sim._handshake(self.side, problem)
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
         self.sim.errors.append(f"{self.side.name} posted WRITEs")
@@ -246,6 +250,7 @@ class Sim:
         self.producer_hello = hello(
             "producer", self.mode, producer_blocks, "prefill", 0x100000, self.config
         )
+        self.producer_layout = layout(producer_blocks, 0x100000)
         self.p_ledger = Ledger("producer", producer_blocks)
         self.kv_ready: set[str] = set()
         self.p_blocks: dict[str, list[int]] = {}  # tid -> its producer blocks, in order
@@ -257,8 +262,10 @@ class Sim:
             name = f"decode{i}"
             base = 0x900000 + i * 0x100000
             h = hello("consumer", self.mode, consumer_blocks, name, base, self.config)
-            machine = Consumer(self.config, h.layout.digest())
-            self.consumers[name] = ConsumerSide(name, machine, h, Ledger(name, consumer_blocks))
+            machine = Consumer(self.config, h.layout_digest)
+            self.consumers[name] = ConsumerSide(
+                name, machine, h, layout(consumer_blocks, base), Ledger(name, consumer_blocks)
+            )
         self.network: deque[tuple[str, str, object]] = deque()  # (to, from, message)
         self.writes: dict[str, tuple[str, act.PostWrite]] = {}
         self.posted_at: dict[str, float] = {}
@@ -269,7 +276,7 @@ class Sim:
         self.stale_reads: set[str] = set()  # READs that copied freed producer blocks
         # Each engine runs one machine; the other half of its Node stays idle.
         self.idle_producer = Producer(self.config, num_layers=layers)
-        self.idle_consumer = Consumer(self.config, self.producer_hello.layout.digest())
+        self.idle_consumer = Consumer(self.config, self.producer_hello.layout_digest)
         self.producer_interpreter = self._interpreter(_ProducerPorts(self))
         for side in self.consumers.values():
             side.interpreter = self._interpreter(_ConsumerPorts(self, side))
@@ -468,11 +475,13 @@ class Sim:
         if pending and pending[0] == side.name:
             self.errors.append(f"{tid} ended on {side.name} while a WRITE into it is in flight")
 
-    def _handshake(self, side: ConsumerSide) -> None:
-        if not self.handshake_ok:
-            self._run_consumer(
-                side, side.machine.on_handshake_failed(PRODUCER, "refused", self.now)
-            )
+    def _handshake(self, side: ConsumerSide, problem: str | None = None) -> None:
+        if not self.handshake_ok or problem:
+            why = problem or "refused"
+            self._run_consumer(side, side.machine.on_handshake_failed(PRODUCER, why, self.now))
             return
-        self._run_producer(self.producer.on_ready(side.name, side.hello, self.now))
-        self._run_consumer(side, side.machine.on_ready(PRODUCER, self.producer_hello, self.now))
+        self._run_producer(self.producer.on_ready(side.name, side.hello, side.layout, self.now))
+        self._run_consumer(
+            side,
+            side.machine.on_ready(PRODUCER, self.producer_hello, self.producer_layout, self.now),
+        )

@@ -50,3 +50,13 @@ def test_folders_are_not_importable_under_their_own_names():
         )
         assert result.returncode != 0
         assert "ImportError" in result.stderr, result.stderr
+
+
+def test_secret_prints_a_new_secret_each_time(capsys):
+    from kvpush import cli
+
+    printed = []
+    for _ in range(2):
+        assert cli.main(["secret"]) == 0
+        printed.append(capsys.readouterr().out.strip())
+    assert printed[0] != printed[1] and all(len(p) >= 32 for p in printed)

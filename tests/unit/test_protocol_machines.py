@@ -126,7 +126,7 @@ def test_duplicate_registration_is_ignored():
     sim = Sim()
     sim.expect("t1")
     sim.deliver()
-    register = Register("t1", [sim.c.expected["t1"]], sim.c.hello.layout.digest())
+    register = Register("t1", [sim.c.expected["t1"]], sim.c.hello.layout_digest)
     sim.network.append(("producer", "decode0", register))
     sim.deliver()
     assert any(c.name == "duplicate_registrations" for c in sim.counted)
@@ -375,7 +375,7 @@ def test_peer_death_before_the_kv_releases_it_when_it_comes():
 def test_out_of_range_blocks_are_refused_before_any_write():
     sim = Sim(consumer_blocks=64)
     sim.ready("t1")
-    bad = Register("t1", [[1, 2, 64]], sim.c.hello.layout.digest())
+    bad = Register("t1", [[1, 2, 64]], sim.c.hello.layout_digest)
     sim._run_consumer(sim.c, sim.c.machine.expect("t1", PRODUCER, [1, 2], sim.now))
     sim.c.ledger.alloc("t1", 0)
     sim.network.clear()
@@ -767,9 +767,11 @@ def test_a_request_given_up_before_its_session_is_up_still_frees_the_producers_k
     consumer = Consumer(ProtocolConfig(), "digest")
     assert [type(a).__name__ for a in consumer.announce("t1", PRODUCER, 0.0)] == ["Connect"]
     assert consumer.abort("t1", 0.0) == []
-    sends = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    sends = consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     assert [(s.peer, s.message) for s in sends] == [(PRODUCER, Cancel("t1", "aborted"))]
-    assert consumer.on_ready(PRODUCER, sim.producer_hello, 0.2) == []  # only once
+    assert (
+        consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.2) == []
+    )  # only once
 
 
 def test_the_last_layer_reported_twice_releases_once():
@@ -808,14 +810,14 @@ def test_a_producer_that_is_not_the_engine_the_decode_leg_names_gets_no_claim():
     sim = Sim()
     consumer = Consumer(ProtocolConfig(), "digest")
     consumer.expect("t1", PRODUCER, [1, 2], 0.0, engine="prefill-that-was")
-    actions = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    actions = consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     (failed,) = actions
     assert type(failed).__name__ == "TransferFailed" and failed.reason == "handshake_failed"
     assert "prefill-that-was" in failed.detail
     assert sim.producer_hello.identity.engine_id in failed.detail
     ok = Consumer(ProtocolConfig(), "digest")
     ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=sim.producer_hello.identity.engine_id)
-    sends = ok.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    sends = ok.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     assert [type(s.message).__name__ for s in sends] == ["Register"]
 
 
@@ -826,14 +828,15 @@ def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim()
     ident = sim.producer_hello.identity
     consumer = Consumer(ProtocolConfig(), "digest")
     consumer.expect("t1", PRODUCER, [1, 2], 0.0, engine=ident.engine_id, epoch="boot-before")
-    (failed,) = consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    (failed,) = consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     assert failed.reason == "handshake_failed" and "restarted" in failed.detail
     assert "boot-before" in failed.detail and repr(ident.epoch) in failed.detail
     ok = Consumer(ProtocolConfig(), "digest")
     ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=ident.engine_id, epoch=ident.epoch)
-    assert [type(s.message).__name__ for s in ok.on_ready(PRODUCER, sim.producer_hello, 0.1)] == [
-        "Register"
-    ]
+    assert [
+        type(s.message).__name__
+        for s in ok.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
+    ] == ["Register"]
 
 
 @pytest.mark.parametrize("machine", [consumer_machine, producer_machine])
@@ -871,7 +874,7 @@ def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
     sim = Sim()
     consumer = Consumer(ProtocolConfig(), "digest")
     consumer.announce("t1", PRODUCER, 0.0)
-    consumer.on_ready(PRODUCER, sim.producer_hello, 0.1)
+    consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     consumer.on_message(PRODUCER, Failed("t1", "aborted", may_land=True), 0.2)
     assert consumer.state_of("t1") is None
     consumer.expect("t1", PRODUCER, [1, 2], 0.3)  # a new claim, not "already expected"

@@ -67,3 +67,16 @@ def test_pull_forwards_the_prefill_answers_echo():
         request=_request(), peer=None, prefill_response=SimpleNamespace(kv_transfer_params=echo)
     )
     assert decode.kv_transfer_params == echo
+
+
+def test_share_secret_gives_both_deployments_one_new_secret_each_time():
+    from kvpush.ray_serve import share_secret
+
+    config = {"prefill_config": {"runtime_env": {"env_vars": {"A": "1"}}}, "decode_config": {}}
+    secret = share_secret(config)
+    assert config["prefill_config"]["runtime_env"]["env_vars"] == {
+        "A": "1",
+        "KVPUSH_SECRET": secret,
+    }
+    assert config["decode_config"]["runtime_env"]["env_vars"] == {"KVPUSH_SECRET": secret}
+    assert share_secret(config) != secret and len(secret) >= 32

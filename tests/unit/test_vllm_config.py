@@ -1,27 +1,86 @@
-"""Connector settings read at the edge: the shared secret."""
+"""Connector settings read at the edge: the shared secret, the producer allowlist."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpush.errors import ConfigError
-from kvpush.vllm.config import load_secret
+from kvpush.vllm.config import ConnectorConfig, load_secret, new_secret, producer_allowed
+
+SECRET = "0123456789abcdef-deployment"
 
 
-def test_secret_comes_from_config_or_environment(monkeypatch):
-    monkeypatch.delenv("KVPUSH_SECRET", raising=False)
-    assert load_secret("abc") == b"abc"
-    monkeypatch.setenv("KVPUSH_SECRET", "fromenv")
-    assert load_secret() == b"fromenv"
-    monkeypatch.delenv("KVPUSH_SECRET")
-    assert load_secret() == b""
-    with pytest.raises(ConfigError, match="KVPUSH_SECRET"):
-        load_secret(required=True)
+@pytest.fixture
+def no_secret_env(monkeypatch):
+    for name in ("KVPUSH_SECRET", "KVPUSH_SECRET_FILE", "KVPUSH_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _config(**extra) -> ConnectorConfig:
+    return ConnectorConfig.from_extra(extra)
+
+
+def test_the_secret_comes_from_the_setting_a_file_or_the_environment(no_secret_env, tmp_path):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "-file\n")
+    no_secret_env.setenv("KVPUSH_SECRET", SECRET + "-env")
+    assert load_secret(_config(secret=SECRET)) == SECRET.encode()  # the setting wins
+    assert load_secret(_config(secret_file=str(path))) == (SECRET + "-file").encode()
+    assert load_secret(_config()) == (SECRET + "-env").encode()
+    no_secret_env.delenv("KVPUSH_SECRET")
+    no_secret_env.setenv("KVPUSH_SECRET_FILE", str(path))
+    assert load_secret(_config()) == (SECRET + "-file").encode()
+
+
+def test_no_secret_no_start_and_the_error_says_what_to_do(no_secret_env):
+    with pytest.raises(ConfigError, match="no shared secret") as refused:
+        load_secret(_config())
+    assert "kvpush secret" in str(refused.value) and "insecure" in str(refused.value)
+
+
+@pytest.mark.parametrize("how", ["setting", "environment"])
+def test_running_without_a_secret_is_a_choice_and_warned_of(no_secret_env, caplog, how):
+    if how == "setting":
+        config = _config(insecure=True)
+    else:
+        no_secret_env.setenv("KVPUSH_INSECURE", "1")
+        config = _config()
+    assert load_secret(config) == b""
+    assert "INSECURE" in caplog.text
+
+
+def test_a_short_secret_or_an_unreadable_file_is_refused_by_name(no_secret_env, tmp_path):
+    with pytest.raises(ConfigError, match="is 5 bytes; use at least 16"):
+        load_secret(_config(secret="short"))
+    with pytest.raises(ConfigError, match="cannot read the shared secret file"):
+        load_secret(_config(secret_file=str(tmp_path / "missing")))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_secret(_config(secret_file=str(tmp_path / "empty")))
+
+
+def test_a_new_secret_is_long_enough_and_new_each_time():
+    first, second = new_secret(), new_secret()
+    assert first != second and len(first) >= 32
+
+
+def test_allowed_producers_are_hosts_ports_or_networks():
+    allowed = _config(allowed_producers=["10.1.0.0/16", "prefill-0.svc", "10.9.9.9:7100"])
+    cases = {
+        "10.1.2.3:7100": True, "10.2.0.1:7100": False, "prefill-0.svc:80": True,
+        "prefill-1.svc:80": False, "10.9.9.9:7100": True, "10.9.9.9:7101": False,
+    }  # fmt: skip
+    got = {a: producer_allowed(a, allowed.allowed_producers) for a in cases}
+    assert got == cases
+    assert producer_allowed("203.0.113.9:1", ())  # no list: any
+    with pytest.raises(ConfigError, match="allowed_producers entry"):
+        _config(allowed_producers=["http://evil/"])
+    with pytest.raises(ConfigError, match="allowed_producers must be a list"):
+        _config(allowed_producers="10.0.0.1")
 
 
 def test_push_granularity_is_checked_and_names_the_choices():
-    from kvpush.vllm.config import ConnectorConfig
-
     assert ConnectorConfig.from_extra({}).push_granularity == "chunk"
     chunk = ConnectorConfig.from_extra({"push_granularity": "chunk"})
     assert chunk.progressive and chunk.layerwise

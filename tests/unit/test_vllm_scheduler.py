@@ -178,7 +178,7 @@ def test_decode_leg_aborted_while_queued_stops_keeping_prefill_kv_alive():
     ("params", "why"),
     [
         (_decode_params(transfer_mode="pull"), "transfer mode mismatch"),
-        (_decode_params(remote_addresses=[]), "one side-channel address per"),
+        (_decode_params(remote_addresses=[]), "one side-channel host:port per"),
         (_decode_params(transfer_id=""), "invalid transfer id"),
     ],
 )  # fmt: skip
