@@ -9,7 +9,14 @@ K/V-major layout `(2, blocks, ...)`), or K and V interleaved below the block
 ("mixed": vLLM's CPU layout packs them in the last dimension; MLA has one latent).
 Two peers whose layouts differ only between "KV" and "K"+"V" still pair: transfers
 then go at K/V granularity, which maps one layout onto the other byte for byte.
-BlockTable turns a layout into NIXL descriptor rows.
+
+With tensor parallelism a worker's blocks hold only its share of the model's KV
+heads (its Shard). Workers of different TP sizes pair when the heads lie outermost
+inside a block (vLLM's CPU layout, and HND on GPUs): `plan` says which slice of a
+producer rank's block fills which slice of a consumer rank's, and `assignment`
+which producer rank fills each consumer rank's heads (exactly one per head, among
+replicas when there are fewer heads than ranks). BlockTable turns a layout's
+transfer units into NIXL descriptor rows.
 """
 
 from __future__ import annotations
@@ -24,6 +31,76 @@ from kvpush.errors import RegionError
 from kvpush.regions import MemRegion
 
 PARTS = ("KV", "K", "V", "mixed")
+
+
+class Shard(msgspec.Struct, frozen=True):
+    """Which of the model's `heads` KV heads TP rank `rank` of `world` holds, as vLLM
+    shards them: an equal share each, or, with fewer heads than ranks, one head,
+    replicated over world / heads ranks. MLA's latent is one head, replicated."""
+
+    rank: int = 0
+    world: int = 1
+    heads: int = 1
+
+    @property
+    def first(self) -> int:
+        if self.heads >= self.world:
+            return self.rank * (self.heads // self.world)
+        return self.rank * self.heads // self.world
+
+    @property
+    def count(self) -> int:
+        return max(1, self.heads // self.world)
+
+    def holds(self, head: int) -> bool:
+        return self.first <= head < self.first + self.count
+
+
+class Piece(NamedTuple):
+    """Heads [first, first + count) of the model go from producer rank `src` to
+    consumer rank `dst`."""
+
+    src: int
+    dst: int
+    first: int
+    count: int
+
+
+def assignment(src_world: int, dst_world: int, heads: int) -> list[Piece]:
+    """Which producer rank fills which heads of each consumer rank: every head a
+    consumer rank holds comes from exactly one producer rank holding it (replicas
+    taken in turn by consumer rank), consecutive heads from one rank in one piece."""
+    pieces: list[Piece] = []
+    for dst in range(dst_world):
+        mine = Shard(dst, dst_world, heads)
+        for head in range(mine.first, mine.first + mine.count):
+            holders = [s for s in range(src_world) if Shard(s, src_world, heads).holds(head)]
+            src = holders[dst % len(holders)]
+            last = pieces[-1] if pieces else None
+            if last and (last.src, last.dst) == (src, dst) and last.first + last.count == head:
+                pieces[-1] = last._replace(count=last.count + 1)
+            else:
+                pieces.append(Piece(src, dst, head, 1))
+    return pieces
+
+
+def tp_problem(src_world: int, dst_world: int, heads: int) -> str | None:
+    """Why producer and consumer TP sizes cannot pair for a model of `heads` KV
+    heads, or None. Pairable: one size divides the other."""
+    if src_world % dst_world and dst_world % src_world:
+        return (
+            f"tensor-parallel sizes {src_world} (prefill) and {dst_world} (decode) do not "
+            "divide one another: a decode rank's KV heads would straddle prefill ranks"
+        )
+    return None
+
+
+def sources(dst: Shard, src_world: int) -> list[tuple[int, int]]:
+    """The producer ranks consumer rank `dst` takes KV heads from, each with the number
+    of consumer ranks that producer rank fills (a claim's `parts`)."""
+    pieces = assignment(src_world, dst.world, dst.heads)
+    mine = sorted({p.src for p in pieces if p.dst == dst.rank})
+    return [(src, len({p.dst for p in pieces if p.src == src})) for src in mine]
 
 
 class BlockRun(msgspec.Struct, frozen=True):
@@ -50,6 +127,7 @@ class KVLayout(msgspec.Struct, frozen=True):
     dtype: str
     inner: str
     layer_names: tuple[str, ...] = ()
+    shard: Shard = Shard()
 
     def __post_init__(self) -> None:
         check_layout(self)
@@ -182,16 +260,94 @@ def pairing_split(local: KVLayout, remote: KVLayout) -> bool:
     )
 
 
+def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
+    """The transfer units of a producer rank's layout (`src`) and a consumer rank's
+    (`dst`), aligned: unit i of one fills unit i of the other, block for block.
+
+    Equal TP sizes move whole blocks, rank r to rank r (K and V apart when one side
+    keeps them apart). Different ones move each consumer rank's heads from the
+    producer rank `assignment` names, as slices of the blocks. RegionError names the
+    difference when no byte-for-byte mapping exists.
+    """
+    a, b = src.shard, dst.shard
+    if a.heads != b.heads:
+        raise RegionError(
+            f"KV layouts differ in KV heads: the producer's model has {a.heads}, the "
+            f"consumer's {b.heads} (another model?)"
+        )
+    if a.world == b.world:
+        if a.rank != b.rank:
+            raise RegionError(f"rank mismatch: producer rank {a.rank}, consumer rank {b.rank}")
+        split = pairing_split(src, dst)
+        return units(src, split), units(dst, split)
+    problem = tp_problem(a.world, b.world, a.heads)
+    if problem:
+        raise RegionError(problem)
+    for field in ("tokens_per_block", "dtype"):
+        if getattr(src, field) != getattr(dst, field):
+            raise RegionError(
+                f"KV layouts differ in {field}: producer {getattr(src, field)!r}, "
+                f"consumer {getattr(dst, field)!r}"
+            )
+    src_units, dst_units = _head_units(src), _head_units(dst)
+    if _per_head(src.inner) != _per_head(dst.inner):
+        raise RegionError(
+            f"KV layouts differ inside a head: producer [{src.inner}], consumer [{dst.inner}]"
+        )
+    pairs = assignment(a.world, b.world, a.heads)
+    pieces = [p for p in pairs if (p.src, p.dst) == (a.rank, b.rank)]
+    if not pieces:
+        raise RegionError(f"producer rank {a.rank} holds none of consumer rank {b.rank}'s KV heads")
+    if [(u.layer, u.part) for u in src_units] != [(u.layer, u.part) for u in dst_units]:
+        raise RegionError("KV layouts cannot be mapped head for head: their layers differ")
+    planned_src: list[Unit] = []
+    planned_dst: list[Unit] = []
+    for s_unit, d_unit in zip(src_units, dst_units, strict=True):  # layer-major, as tables are
+        for piece in pieces:
+            planned_src.append(_heads_of(s_unit, a, piece))
+            planned_dst.append(_heads_of(d_unit, b, piece))
+    return planned_src, planned_dst
+
+
+def _per_head(inner: str) -> str:
+    """A block's inner layout without its heads count (what one head holds)."""
+    dims = inner.split(",")
+    return ",".join(dims[1:]) if dims and dims[0].startswith("heads:") else inner
+
+
+def _head_units(layout: KVLayout) -> list[Unit]:
+    """The layout's units in which each head is one contiguous slice: K and V apart,
+    unless they interleave below the head (vLLM's CPU layout)."""
+    if not layout.inner.startswith("heads:") and layout.shard.count > 1:
+        raise RegionError(
+            f"a head-split transfer needs the KV heads outermost inside a block, and this "
+            f"layout's block is [{layout.inner}] (on GPUs: vLLM's HND layout)"
+        )
+    mixed = any(run.part == "mixed" for runs in layout.layers for run in runs)
+    return units(layout, split=not mixed)
+
+
+def _heads_of(unit: Unit, shard: Shard, piece: Piece) -> Unit:
+    """The slice of `unit` (a block of `shard`'s heads) that holds `piece`'s heads."""
+    per_head = unit.nbytes // shard.count
+    offset = (piece.first - shard.first) * per_head
+    return unit._replace(base=unit.base + offset, nbytes=piece.count * per_head)
+
+
 class BlockTable:
     """Every (unit, block) slice of a layout as NIXL descriptor rows, built once.
 
     Row `unit * num_blocks + block` holds block `block` of unit `unit`, so moving some
     blocks is a list of row indices: prepare the table with NIXL once, post by index.
+    The units are the layout's own (K and V apart if `split`), or a plan's.
     """
 
-    def __init__(self, layout: KVLayout, split: bool) -> None:
+    def __init__(
+        self, layout: KVLayout, split: bool = False, layout_units: list[Unit] | None = None
+    ) -> None:
         self.layout = layout
-        layout_units = units(layout, split)
+        if layout_units is None:
+            layout_units = units(layout, split)
         self.num_units = len(layout_units)
         nb = layout.num_blocks
         self.rows = np.empty((self.num_units * nb, 3), dtype=np.uint64)

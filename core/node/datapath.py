@@ -18,7 +18,7 @@ import numpy as np
 
 from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError, TransportError
-from kvpush.layout import BlockTable, KVLayout, pairing_split
+from kvpush.layout import BlockTable, KVLayout, Unit, plan, units
 from kvpush.node.interpreter import Counter, Settled
 from kvpush.plugins import Backends
 from kvpush.protocol import actions as act
@@ -35,9 +35,10 @@ MAX_WRITES_PER_POST = 64
 class Route:
     """How to address one paired peer's KV cache."""
 
+    peer: str  # the link's name for it
     agent_peer: str  # the peer's NIXL agent name
-    split: bool  # K and V addressed separately (the layouts differ)
-    table: BlockTable
+    local: tuple[Unit, ...]  # our units, aligned with the peer's (kvpush.layout.plan)
+    table: BlockTable  # the peer's units' descriptor rows
     prepared: PreparedList
 
 
@@ -62,6 +63,7 @@ class _InFlight:
     """
 
     transfer: Transfer
+    peer: str  # the link peer whose memory it reads or writes
     posted: float
     deadline: float
     parts: list[tuple[str, int]]
@@ -88,12 +90,13 @@ class DataPath:
         self.agent_metadata = agent.metadata()  # what peers load to reach our memory
         self.routes: dict[str, Route] = {}  # link peer -> how to reach its memory
         self._notifiers: dict[str, str] = {}  # NIXL agent name -> link peer (outgoing)
-        self._local_tables: dict[bool, tuple[BlockTable, PreparedList]] = {}
+        self._local_tables: dict[tuple[Unit, ...], tuple[BlockTable, PreparedList]] = {}
         self._fences: dict[str, dict[int, Any]] = {}  # transfer -> layers ready -> fence
         self._expected: dict[str, tuple[list[int], float]] = {}
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
-        self.local(False)
+        self._whole = tuple(units(kv.layout, split=False))
+        self.local(self._whole)
 
     # -- peers -------------------------------------------------------------------------
 
@@ -107,15 +110,18 @@ class DataPath:
         # names carry the boot epoch, so it is the same incarnation; share it.
         agent_peer = self.agent.add_peer(metadata) if added else agent_name
         try:
-            split = pairing_split(self.kv.layout, layout)
-            table = BlockTable(layout, split)
+            # We dialled it: it produces into our memory; else we produce into its.
+            ours, theirs = (
+                plan(layout, self.kv.layout)[::-1] if notifies else plan(self.kv.layout, layout)
+            )
+            table = BlockTable(layout, layout_units=theirs)
             prepared = self.agent.prepare(table.rows, layout.mem_type, agent_peer)
-            self.local(split)
+            self.local(tuple(ours))
         except Exception:
             if added:
                 self._forget_agent(agent_peer)
             raise
-        self.routes[peer] = Route(agent_peer, split, table, prepared)
+        self.routes[peer] = Route(peer, agent_peer, tuple(ours), table, prepared)
         if notifies:
             self._notifiers[agent_peer] = peer
 
@@ -136,13 +142,13 @@ class DataPath:
         except TransportError as exc:
             log.debug("kvpush: removing NIXL peer %s: %s", agent_peer, exc)
 
-    def local(self, split: bool) -> tuple[BlockTable, PreparedList]:
-        """Our own descriptor table, K and V apart or together, prepared once."""
-        if split not in self._local_tables:
-            table = BlockTable(self.kv.layout, split)
+    def local(self, layout_units: tuple[Unit, ...]) -> tuple[BlockTable, PreparedList]:
+        """Our own descriptor table for these units (a pairing's plan), prepared once."""
+        if layout_units not in self._local_tables:
+            table = BlockTable(self.kv.layout, layout_units=list(layout_units))
             prepared = self.agent.prepare(table.rows, self.kv.layout.mem_type)
-            self._local_tables[split] = (table, prepared)
-        return self._local_tables[split]
+            self._local_tables[layout_units] = (table, prepared)
+        return self._local_tables[layout_units]
 
     # -- what the engine said ------------------------------------------------------------
 
@@ -179,7 +185,7 @@ class DataPath:
         self.metrics.observe("consumer_wait_seconds", self.clock() - started)
         # Counted from our own layout: the notification that delivers a push transfer
         # often beats the Complete message that carries the producer's count.
-        table, _ = self.local(False)
+        table, _ = self.local(self._whole)
         return int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
@@ -210,14 +216,15 @@ class DataPath:
             except Exception as exc:  # fencing, staging or descriptors: nothing was posted
                 if not isinstance(exc, KVPushError):
                     log.error("kvpush: preparing a WRITE failed", exc_info=True)
-                settled.append(Settled("WRITE", write.transfer_id, False, str(exc)))
+                settled.append(Settled("WRITE", write.transfer_id, peer, False, str(exc)))
         if not parts:
             return settled
         assert route is not None
         try:
             flight = self._post(self.writes, "WRITE", route, parts)
         except Exception as exc:  # NIXL refused the post: nothing is in flight
-            return settled + [Settled("WRITE", p.transfer_id, False, str(exc)) for p in parts]
+            failed = [Settled("WRITE", p.transfer_id, peer, False, str(exc)) for p in parts]
+            return settled + failed
         return settled + self._settle_if_finished(self.writes, flight)
 
     def post_read(self, read: act.PostRead) -> list[Settled]:
@@ -229,7 +236,7 @@ class DataPath:
                               read.remote_blocks, None, b"")  # fmt: skip
             flight = self._post(self.reads, "READ", route, [part])
         except Exception as exc:  # nothing was posted
-            return [Settled("READ", read.transfer_id, False, str(exc))]
+            return [Settled("READ", read.transfer_id, read.peer, False, str(exc))]
         return self._settle_if_finished(self.reads, flight)
 
     def _part(
@@ -242,14 +249,14 @@ class DataPath:
         notif: bytes,
     ) -> _Part:
         """One transfer's share of a NIXL transfer: its rows on both sides."""
-        local_table, _ = self.local(route.split)
+        local_table, _ = self.local(route.local)
         local_ids = local_table.ids(local_blocks, layers)
         remote_ids = route.table.ids(remote_blocks, layers)
         nbytes = int(local_table.rows[local_ids, 1].sum())
         return _Part(transfer_id, local_ids, remote_ids, nbytes, notif)
 
     def _post(self, table: list[_InFlight], op: str, route: Route, parts: list[_Part]) -> _InFlight:
-        _, local_list = self.local(route.split)
+        _, local_list = self.local(route.local)
         local_ids = np.concatenate([part.local_ids for part in parts])
         remote_ids = np.concatenate([part.remote_ids for part in parts])
         notif = join_notifs([part.notif for part in parts if part.notif])
@@ -261,7 +268,7 @@ class DataPath:
         posted = self.clock()
         self.metrics.observe("post_seconds", posted - started)
         sizes = [(part.transfer_id, part.nbytes) for part in parts]
-        flight = _InFlight(transfer, posted, started + self.write_grace_s, sizes)
+        flight = _InFlight(transfer, route.peer, posted, started + self.write_grace_s, sizes)
         table.append(flight)
         return flight
 
@@ -352,6 +359,6 @@ def _settled(
     flight: _InFlight, ok: bool, detail: str = "", may_land: bool = False
 ) -> list[Settled]:
     return [
-        Settled(flight.transfer.op, tid, ok, detail, nbytes if ok else 0, may_land)
+        Settled(flight.transfer.op, tid, flight.peer, ok, detail, nbytes if ok else 0, may_land)
         for tid, nbytes in flight.parts
     ]

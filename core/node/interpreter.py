@@ -47,6 +47,7 @@ class Settled:
 
     op: str  # "WRITE" or "READ"
     transfer_id: str
+    peer: str  # the link peer the transfer moved bytes to or from
     ok: bool
     detail: str = ""
     nbytes: int = 0
@@ -112,23 +113,26 @@ class Interpreter:
         """Carry out `actions` in order; WRITEs go last and together, so a forward
         pass's hand-offs to one consumer share NIXL posts."""
         writes: list[act.PostWrite] = []
-        unreadable: set[str] = set()  # transfers whose KV could not be exposed
+        unreadable: set[tuple[str, str]] = set()  # (transfer, peer): KV not exposed
         for action in actions:
             if isinstance(action, act.PostWrite):
                 writes.append(action)
                 continue
-            if isinstance(action, act.Send) and _transfer_of(action.message) in unreadable:
+            if (
+                isinstance(action, act.Send)
+                and (_transfer_of(action.message), action.peer) in unreadable
+            ):
                 continue  # e.g. the Grant of KV that could not be staged
             try:
                 self._do(action)
             except Exception as exc:  # a backend's bug must fail a transfer, not the loop
                 log.error("kvpush: %s failed: %s", type(action).__name__, exc, exc_info=True)
                 if isinstance(action, act.ExposeBlocks):
-                    unreadable.add(action.transfer_id)
+                    unreadable.add((action.transfer_id, action.peer))
                     detail = f"staging the KV for a READ failed: {exc}"
                     self.run(
                         self.producer.abandon(
-                            action.transfer_id, "write_failed", detail, self.clock()
+                            action.transfer_id, action.peer, "write_failed", detail, self.clock()
                         )
                     )
         if writes:
@@ -143,11 +147,11 @@ class Interpreter:
         for s in settled:
             if s.op == "WRITE":
                 actions += self.producer.on_write_done(
-                    s.transfer_id, s.ok, now, s.detail, s.nbytes, s.may_land
+                    s.transfer_id, s.peer, s.ok, now, s.detail, s.nbytes, s.may_land
                 )
             else:
                 actions += self.consumer.on_read_done(
-                    s.transfer_id, s.ok, now, s.detail, s.may_land
+                    s.transfer_id, s.peer, s.ok, now, s.detail, s.may_land
                 )
         self.run(actions)
 

@@ -222,7 +222,9 @@ class Links:
     def _on_metadata(self, link: _Link, message: AgentMetadata) -> None:
         hello = link.hello
         assert hello is not None
-        problem = layout_problem(self.data.kv.layout, message.layout, hello.layout_digest)
+        problem = layout_problem(
+            self.data.kv.layout, message.layout, hello.layout_digest, not link.outgoing
+        )
         if problem is not None:
             self.metrics.inc("handshakes", result="refused")
             self._refuse(link, problem)

@@ -32,7 +32,7 @@ from kvpush.plugins import Backends, get_backends
 from kvpush.protocol import actions as act
 from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.consumer import Consumer, Source
 from kvpush.protocol.handshake import ROLES
 from kvpush.protocol.messages import Hello, Identity, Message, split_notifs
 from kvpush.protocol.producer import Producer
@@ -40,7 +40,7 @@ from kvpush.transport.agent import AgentConfig, NixlAgent
 from kvpush.transport.channel import Listener
 from kvpush.transport.loop import Loop, TimerHandle
 
-__all__ = ["Node", "NodeConfig", "Outcome"]
+__all__ = ["Node", "NodeConfig", "Outcome", "Source"]
 
 
 @dataclass(frozen=True)
@@ -220,23 +220,23 @@ class Node:
     def expect(
         self,
         transfer_id: str,
-        producer: str,
+        producer: str | Sequence[Source],
         block_ids: Sequence[int],
         skip_blocks: int = 0,
         engine: str = "",
         epoch: str = "",
     ) -> None:
-        """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port),
-        which must be engine `engine` in boot `epoch` when given."""
+        """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port,
+        in boot `epoch` when given), or from each of several producer ranks (Sources);
+        every one must be engine `engine` when given."""
         blocks = [int(b) for b in block_ids]
+        sources = [Source(producer, epoch)] if isinstance(producer, str) else list(producer)
 
         def run(now: float) -> list[act.Action]:
             assert self.data is not None
             self.data.expect(transfer_id, blocks)
             self.metrics.inc("transfers_started", role="consumer")
-            return self.consumer.expect(
-                transfer_id, producer, blocks, now, skip_blocks, engine, epoch
-            )
+            return self.consumer.expect(transfer_id, sources, blocks, now, skip_blocks, engine)
 
         self._submit_fn(run, transfer_id)
 

@@ -41,10 +41,11 @@ class PostWrite:
 @dataclass(frozen=True)
 class ExposeBlocks:
     """Producer (pull): make these blocks' KV readable by NIXL (fence, stage) now,
-    before the consumer is told it may READ them."""
+    before the consumer `peer` is told it may READ them."""
 
     transfer_id: str
     block_ids: list[int]
+    peer: str
 
 
 @dataclass(frozen=True)

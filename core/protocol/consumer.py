@@ -5,6 +5,12 @@ and a TransferFailed comes only once nothing can write into the transfer's block
 any more: after the producer said so (Failed, CancelAck, Complete), or after the
 longest time a WRITE it might have posted could still land. Until then the blocks
 stay out of the engine's pool, so a retry can never receive an old transfer's bytes.
+
+With tensor parallelism of different sizes on the two sides, one decode rank takes
+its KV heads from several producer ranks: the transfer has a part per producer
+(its records are keyed (transfer id, peer)). It is delivered once every part is;
+a part that fails gives up the others, and the transfer fails once none can still
+write into its blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Ended transfers remembered so their late messages are not counted as strays.
 _ENDED_MEMORY = 4096
+
+# A part's key: (transfer id, the producer peer it takes its KV from).
+Key = tuple[str, str]
 
 
 class State(enum.StrEnum):
@@ -90,6 +99,29 @@ class _Peer:
     layout: KVLayout | None = None
 
 
+@dataclass(frozen=True)
+class Source:
+    """A producer rank a transfer takes KV from: its side channel `peer`, its boot
+    `epoch` as the decode leg names it ("": any), and how many consumer ranks claim
+    the transfer from it (`parts`; more than one when it holds KV heads several
+    consumer ranks hold)."""
+
+    peer: str
+    epoch: str = ""
+    parts: int = 1
+
+
+@dataclass
+class _Request:
+    """A transfer as the engine sees it: its parts, and how they ended so far."""
+
+    keys: set[Key]
+    blocks: bool = False  # the engine allocated blocks (an outcome is owed)
+    reason: str = ""  # the first part's failure
+    detail: str = ""
+    kv_ready_wall: float = 0.0
+
+
 @dataclass
 class _Transfer:
     transfer_id: str
@@ -107,6 +139,11 @@ class _Transfer:
     kv_ready_wall: float = 0.0
     complete: Complete | None = None
     cancel_reason: str | None = None
+    parts: int = 1  # consumer ranks claiming the transfer from this producer
+
+
+def _key(transfer: _Transfer) -> Key:
+    return (transfer.transfer_id, transfer.peer)
 
 
 class Consumer:
@@ -116,8 +153,9 @@ class Consumer:
         self.config = config
         self.layout_digest = layout_digest
         self._peers: dict[str, _Peer] = {}
-        self._transfers: dict[str, _Transfer] = {}
-        self._ended: dict[str, None] = {}  # insertion-ordered, bounded
+        self._transfers: dict[Key, _Transfer] = {}
+        self._requests: dict[str, _Request] = {}
+        self._ended: dict[Key, None] = {}  # insertion-ordered, bounded
         self._held_cancels: dict[str, list[str]] = {}  # peer still connecting -> ids
         self._deadlines = Deadlines()
 
@@ -132,9 +170,9 @@ class Consumer:
         Heartbeats for it start at once, so the producer keeps finished KV for it
         while this engine's queue drains.
         """
-        if transfer_id in self._transfers:
+        if (transfer_id, peer) in self._transfers:
             return []
-        self._transfers[transfer_id] = _Transfer(transfer_id, peer, engine=engine, epoch=epoch)
+        self._add(_Transfer(transfer_id, peer, engine=engine, epoch=epoch))
         actions = self._ensure_session(peer, engine, epoch)
         if self._ready(peer):
             actions.append(Send(peer, Heartbeat([transfer_id])))
@@ -144,39 +182,70 @@ class Consumer:
     def expect(
         self,
         transfer_id: str,
-        peer: str,
+        sources: list[Source],
         blocks: list[int],
         now: float,
         skip_blocks: int = 0,
         engine: str = "",
-        epoch: str = "",
     ) -> list[Action]:
-        """Blocks are allocated for `transfer_id`: claim the producer's KV for them,
-        from the producer engine `engine` in its boot `epoch` only (each when given)."""
-        transfer = self._transfers.get(transfer_id)
-        if transfer is not None and transfer.state != State.ANNOUNCED:
+        """Blocks are allocated for `transfer_id`: claim its KV for them from each of
+        `sources` (the producer ranks holding our heads), which must be engine
+        `engine` (when given) in their boots."""
+        request = self._requests.get(transfer_id)
+        if request is not None and request.blocks:
             raise ProtocolError(f"transfer {transfer_id!r} is already expected")
-        if transfer is None or transfer.peer != peer:
-            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, peer)
+        if not sources:
+            raise ProtocolError(f"transfer {transfer_id!r} names no producer")
+        wanted = {source.peer for source in sources}
+        for transfer in [t for t in self._parts(transfer_id) if t.peer not in wanted]:
+            self._forget(transfer)  # announced to a producer this claim does not name
+        actions: list[Action] = []
+        for source in sources:
+            actions += self._expect_part(transfer_id, source, blocks, now, skip_blocks, engine)
+        self._requests[transfer_id].blocks = True
+        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
+        return actions
+
+    def _expect_part(
+        self,
+        transfer_id: str,
+        source: Source,
+        blocks: list[int],
+        now: float,
+        skip_blocks: int,
+        engine: str,
+    ) -> list[Action]:
+        peer = source.peer
+        transfer = self._transfers.get((transfer_id, peer))
+        if transfer is None:
+            transfer = self._add(_Transfer(transfer_id, peer))
         transfer.blocks = list(blocks)
         transfer.skip_blocks = skip_blocks
         transfer.engine = engine
-        transfer.epoch = epoch
+        transfer.epoch = source.epoch
+        transfer.parts = source.parts
         TRANSITIONS.move(transfer, State.CONNECTING)
         transfer.give_up_at = now + self.config.max_wait_s
-        self._deadlines.set(("watchdog", transfer_id), now + self.config.watchdog_s)
-        actions = self._ensure_session(peer, engine, epoch)
+        self._deadlines.set(("watchdog", _key(transfer)), now + self.config.watchdog_s)
+        actions = self._ensure_session(peer, engine, source.epoch)
         if self._ready(peer):
             actions += self._claim(transfer, now)
-        arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         return actions
 
     def abort(self, transfer_id: str, now: float) -> list[Action]:
         """The engine gave the request up. Its blocks come back only once it is safe."""
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None or transfer.state == State.CANCELLING:
+        actions: list[Action] = []
+        for transfer in self._parts(transfer_id):
+            actions += self._give_up(transfer, "aborted", now)
+        return actions
+
+    def _give_up(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
+        """End one part for `reason` (the engine aborted, or another part failed),
+        as soon as nothing can write into its blocks any more."""
+        transfer_id = transfer.transfer_id
+        if transfer.state == State.CANCELLING:
             return []
-        cancel = Send(transfer.peer, Cancel(transfer_id, "aborted"))
+        cancel = Send(transfer.peer, Cancel(transfer_id, reason))
         live = self._ready(transfer.peer)
         if transfer.state == State.ANNOUNCED:
             self._forget(transfer)
@@ -186,13 +255,13 @@ class Consumer:
                 return []
             return [cancel]
         if transfer.state == State.READING:
-            transfer.cancel_reason = "aborted"  # our own READ ends it
+            transfer.cancel_reason = transfer.cancel_reason or reason  # our own READ ends it
             return []
         if transfer.state in (State.CONNECTING, State.LANDING, State.REQUESTED):
             # Nobody else writes into these blocks (not claimed yet, already written,
             # or pull, where only our own READ would).
-            return ([cancel] if live else []) + self._fail(transfer, "aborted")
-        return ([cancel] if live else []) + self._start_cancel(transfer, "aborted", now)
+            return ([cancel] if live else []) + self._fail(transfer, now, reason)
+        return ([cancel] if live else []) + self._start_cancel(transfer, reason, now)
 
     # -- session events --------------------------------------------------------------
 
@@ -217,7 +286,7 @@ class Consumer:
         actions: list[Action] = []
         for transfer in self._drop_peer(peer):
             if transfer.state == State.CONNECTING:
-                actions += self._fail(transfer, "handshake_failed", reason)
+                actions += self._fail(transfer, now, "handshake_failed", reason)
         return actions
 
     def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
@@ -225,21 +294,21 @@ class Consumer:
         actions: list[Action] = []
         for transfer in self._drop_peer(peer):
             if transfer.state in (State.CONNECTING, State.REQUESTED, State.LANDING):
-                actions += self._fail(transfer, "peer_lost", reason)
+                actions += self._fail(transfer, now, "peer_lost", reason)
             elif transfer.state == State.READING:
                 transfer.cancel_reason = transfer.cancel_reason or "peer_lost"
             elif transfer.state == State.REGISTERED:
                 # A WRITE it posted before dying may still be landing: wait that long.
                 TRANSITIONS.move(transfer, State.CANCELLING)
                 transfer.cancel_reason = "peer_lost"
-                self._deadlines.cancel(("watchdog", transfer.transfer_id))
-                self._deadlines.set(("settle", transfer.transfer_id), now + self._landing_bound())
+                self._deadlines.cancel(("watchdog", _key(transfer)))
+                self._deadlines.set(("settle", _key(transfer)), now + self._landing_bound())
             elif transfer.state == State.CANCELLING:
                 settle = min(
-                    self._deadlines.get(("settle", transfer.transfer_id)) or float("inf"),
+                    self._deadlines.get(("settle", _key(transfer))) or float("inf"),
                     now + self._landing_bound(),
                 )
-                self._deadlines.set(("settle", transfer.transfer_id), settle)
+                self._deadlines.set(("settle", _key(transfer)), settle)
         return actions
 
     def _drop_peer(self, peer: str) -> list[_Transfer]:
@@ -257,11 +326,11 @@ class Consumer:
 
     def on_message(self, peer: str, message: Message, now: float) -> list[Action]:
         transfer_id = getattr(message, "transfer_id", None)
-        transfer = self._transfers.get(transfer_id) if transfer_id else None
+        transfer = self._transfers.get((transfer_id, peer)) if transfer_id else None
         if isinstance(message, Heartbeat):
             return self._on_heartbeat(peer, message, now)
-        if transfer is None or transfer.peer != peer:
-            if transfer_id in self._ended:
+        if transfer is None:
+            if (transfer_id, peer) in self._ended:
                 return []  # e.g. the Complete after the notification already delivered
             return [Counted("rejected_messages", {"why": "unknown_transfer"})]
         if isinstance(message, Writing):
@@ -280,7 +349,7 @@ class Consumer:
                 return [Counted("rejected_messages", {"why": "unexpected_cancel_ack"})]
             if message.may_land:
                 return self._settle_later(transfer, transfer.cancel_reason or "aborted", now)
-            return self._fail(transfer, transfer.cancel_reason or "aborted")
+            return self._fail(transfer, now, transfer.cancel_reason or "aborted")
         if isinstance(message, Grant):
             return self._on_grant(transfer, message, now)
         return [Counted("rejected_messages", {"why": f"unexpected_{type(message).__name__}"})]
@@ -296,9 +365,9 @@ class Consumer:
         if decoded is None:
             return [Counted("rejected_notifs", {"why": "foreign"})]
         transfer_id, wall = decoded
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None or transfer.peer != peer:
-            why = "late" if transfer_id in self._ended else "unknown_transfer"
+        transfer = self._transfers.get((transfer_id, peer))
+        if transfer is None:
+            why = "late" if (transfer_id, peer) in self._ended else "unknown_transfer"
             return [Counted("rejected_notifs", {"why": why})]
         transfer.notified = True
         transfer.kv_ready_wall = wall
@@ -306,15 +375,21 @@ class Consumer:
             return self._deliver(transfer)
         if transfer.state == State.CANCELLING:
             # The last WRITE landed: nothing more will be written into these blocks.
-            return self._fail(transfer, transfer.cancel_reason or "aborted")
+            return self._fail(transfer, now, transfer.cancel_reason or "aborted")
         return []
 
     def on_read_done(
-        self, transfer_id: str, ok: bool, now: float, detail: str = "", may_land: bool = False
+        self,
+        transfer_id: str,
+        peer: str,
+        ok: bool,
+        now: float,
+        detail: str = "",
+        may_land: bool = False,
     ) -> list[Action]:
-        """Pull: our READ finished (ok) or failed; `may_land`: it was given up on
-        unfinished, and may still copy into our blocks for a while."""
-        transfer = self._transfers.get(transfer_id)
+        """Pull: our READ from `peer` finished (ok) or failed; `may_land`: it was given
+        up on unfinished, and may still copy into our blocks for a while."""
+        transfer = self._transfers.get((transfer_id, peer))
         if transfer is None or transfer.state != State.READING:
             return [Counted("unexpected_read_completion")]
         actions: list[Action] = []
@@ -325,11 +400,12 @@ class Consumer:
                 transfer, transfer.cancel_reason or "read_failed", now
             )
         if transfer.cancel_reason:
-            return actions + self._fail(transfer, transfer.cancel_reason)
+            return actions + self._fail(transfer, now, transfer.cancel_reason)
         if not ok:
-            return actions + self._fail(transfer, "read_failed", detail)
+            return actions + self._fail(transfer, now, "read_failed", detail)
         if now > transfer.read_deadline:
-            return actions + self._fail(transfer, "lease_expired", "the read outlasted its lease")
+            detail = "the read outlasted its lease"
+            return actions + self._fail(transfer, now, "lease_expired", detail)
         return actions + self._deliver(transfer)
 
     # -- time ------------------------------------------------------------------------
@@ -347,9 +423,9 @@ class Consumer:
                 actions += self._on_watchdog(transfer, now)
             elif kind == "landing" and transfer.state == State.LANDING:
                 detail = "the producer completed but NIXL's notification never came"
-                actions += self._fail(transfer, "write_failed", detail)
+                actions += self._fail(transfer, now, "write_failed", detail)
             elif kind == "settle" and transfer.state == State.CANCELLING:
-                actions += self._fail(transfer, transfer.cancel_reason or "aborted")
+                actions += self._fail(transfer, now, transfer.cancel_reason or "aborted")
         return actions
 
     def next_deadline(self) -> float | None:
@@ -396,44 +472,50 @@ class Consumer:
         if problem:
             # A stale route (the instance restarted, or another deployment's instance
             # now has that address): its KV is not this prompt's.
-            return self._fail(transfer, "handshake_failed", problem)
+            return self._fail(transfer, now, "handshake_failed", problem)
         transfer.claimed_at = now
         if self.config.mode == "push":
             TRANSITIONS.move(transfer, State.REGISTERED)
             message: Message = Register(
-                transfer.transfer_id, [transfer.blocks], self.layout_digest, transfer.skip_blocks
+                transfer.transfer_id,
+                [transfer.blocks],
+                self.layout_digest,
+                transfer.skip_blocks,
+                transfer.parts,
             )
         else:
             TRANSITIONS.move(transfer, State.REQUESTED)
-            message = PullRequest(transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks)
+            message = PullRequest(
+                transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks, transfer.parts
+            )
         return [Send(transfer.peer, message)]
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
         for transfer_id in message.transfer_ids:
-            transfer = self._transfers.get(transfer_id)
-            if transfer is not None and transfer.peer == peer:
+            transfer = self._transfers.get((transfer_id, peer))
+            if transfer is not None:
                 deadline = min(now + self.config.watchdog_s, transfer.give_up_at)
-                self._deadlines.extend(("watchdog", transfer_id), deadline)
+                self._deadlines.extend(("watchdog", _key(transfer)), deadline)
         return []
 
     def _on_complete(self, transfer: _Transfer, message: Complete, now: float) -> list[Action]:
         if transfer.state == State.CANCELLING:
             # The producer is done with our blocks: the cancel is settled.
-            return self._fail(transfer, transfer.cancel_reason or "aborted")
+            return self._fail(transfer, now, transfer.cancel_reason or "aborted")
         if transfer.state != State.REGISTERED:
             return [Counted("rejected_messages", {"why": "unexpected_complete"})]
         transfer.complete = message
-        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        self._deadlines.cancel(("watchdog", _key(transfer)))
         if not message.notif:
             if transfer.blocks:
                 # Only a transfer with nothing to move may complete without a WRITE.
                 detail = "the producer completed without writing the registered blocks"
-                return self._fail(transfer, "write_failed", detail)
+                return self._fail(transfer, now, "write_failed", detail)
             return self._deliver(transfer)
         if transfer.notified:
             return self._deliver(transfer)
         TRANSITIONS.move(transfer, State.LANDING)
-        self._deadlines.set(("landing", transfer.transfer_id), now + self.config.landing_s)
+        self._deadlines.set(("landing", _key(transfer)), now + self.config.landing_s)
         return []
 
     def _on_failed(self, transfer: _Transfer, message: Failed, now: float) -> list[Action]:
@@ -444,15 +526,15 @@ class Consumer:
             # A WRITE the producer gave up on may still be landing in our blocks.
             return self._settle_later(transfer, message.reason, now)
         # The producer wrote nothing more after saying so: the blocks are ours again.
-        return self._fail(transfer, message.reason, message.detail)
+        return self._fail(transfer, now, message.reason, message.detail)
 
     def _settle_later(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
         """Fail the transfer once a WRITE posted into its blocks can no longer land."""
         TRANSITIONS.move(transfer, State.CANCELLING)
         transfer.cancel_reason = reason
-        self._deadlines.cancel(("watchdog", transfer.transfer_id))
-        self._deadlines.cancel(("landing", transfer.transfer_id))
-        self._deadlines.set(("settle", transfer.transfer_id), now + self._landing_bound())
+        self._deadlines.cancel(("watchdog", _key(transfer)))
+        self._deadlines.cancel(("landing", _key(transfer)))
+        self._deadlines.set(("settle", _key(transfer)), now + self._landing_bound())
         return []
 
     def _on_grant(self, transfer: _Transfer, message: Grant, now: float) -> list[Action]:
@@ -467,9 +549,10 @@ class Consumer:
         if problem or now >= transfer.read_deadline:
             reason = "bad_blocks" if problem else "lease_expired"
             release = Send(transfer.peer, Release(transfer.transfer_id))
-            return [release] + self._fail(transfer, reason, problem or "the grant came too late")
+            detail = problem or "the grant came too late"
+            return [release] + self._fail(transfer, now, reason, detail)
         TRANSITIONS.move(transfer, State.READING)
-        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        self._deadlines.cancel(("watchdog", _key(transfer)))
         return [PostRead(transfer.transfer_id, transfer.peer, list(transfer.blocks), remote)]
 
     def _check_grant(self, transfer: _Transfer, remote: list[int]) -> str:
@@ -484,10 +567,10 @@ class Consumer:
 
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:
         if transfer.state == State.CONNECTING:
-            return self._fail(transfer, "watchdog_expired", "no session with the producer")
+            return self._fail(transfer, now, "watchdog_expired", "no session with the producer")
         cancel = Send(transfer.peer, Cancel(transfer.transfer_id, "watchdog_expired"))
         if transfer.state == State.REQUESTED:
-            return [cancel] + self._fail(transfer, "watchdog_expired", "no grant in time")
+            return [cancel] + self._fail(transfer, now, "watchdog_expired", "no grant in time")
         if transfer.state in _PRODUCER_MAY_WRITE:
             return [cancel] + self._start_cancel(transfer, "watchdog_expired", now)
         return []
@@ -501,11 +584,11 @@ class Consumer:
         """
         TRANSITIONS.move(transfer, State.CANCELLING)
         transfer.cancel_reason = reason
-        self._deadlines.cancel(("watchdog", transfer.transfer_id))
+        self._deadlines.cancel(("watchdog", _key(transfer)))
         hello = self._peers[transfer.peer].hello if transfer.peer in self._peers else None
         ttl = hello.registration_ttl_s if hello else self.config.registration_ttl_s
         settle = transfer.claimed_at + ttl + self._landing_bound()
-        self._deadlines.set(("settle", transfer.transfer_id), max(settle, now))
+        self._deadlines.set(("settle", _key(transfer)), max(settle, now))
         return []
 
     def _landing_bound(self) -> float:
@@ -526,32 +609,70 @@ class Consumer:
         return [Send(peer, Heartbeat(tids)) for peer, tids in wanted.items()]
 
     def _deliver(self, transfer: _Transfer) -> list[Action]:
+        """One part's KV landed; the transfer is delivered once every part's has."""
         complete = transfer.complete
-        self._forget(transfer)
         wall = complete.kv_ready_wall if complete else transfer.kv_ready_wall
-        return [Delivered(transfer.transfer_id, wall)]
-
-    def _fail(self, transfer: _Transfer, reason: str, detail: str = "") -> list[Action]:
+        request = self._requests[transfer.transfer_id]
+        request.kv_ready_wall = max(request.kv_ready_wall, wall)
         self._forget(transfer)
-        if transfer.blocks is None:
+        return self._outcome(transfer.transfer_id, request)
+
+    def _fail(self, transfer: _Transfer, now: float, reason: str, detail: str = "") -> list[Action]:
+        """One part is over without its KV: the transfer fails, once no other part can
+        write into its blocks any more (they are given up now)."""
+        request = self._requests[transfer.transfer_id]
+        if not request.reason:
+            request.reason, request.detail = reason, detail
+        self._forget(transfer)
+        actions: list[Action] = []
+        for other in self._parts(transfer.transfer_id):
+            actions += self._give_up(other, reason, now)
+        return actions + self._outcome(transfer.transfer_id, request)
+
+    def _outcome(self, transfer_id: str, request: _Request) -> list[Action]:
+        """The transfer's one outcome, once its last part ended (none without blocks)."""
+        if transfer_id not in self._requests or request.keys:
             return []
-        return [TransferFailed(transfer.transfer_id, reason, detail)]
+        del self._requests[transfer_id]
+        if not request.blocks:
+            return []
+        if request.reason:
+            return [TransferFailed(transfer_id, request.reason, request.detail)]
+        return [Delivered(transfer_id, request.kv_ready_wall)]
+
+    def _add(self, transfer: _Transfer) -> _Transfer:
+        self._transfers[_key(transfer)] = transfer
+        self._requests.setdefault(transfer.transfer_id, _Request(set())).keys.add(_key(transfer))
+        return transfer
+
+    def _parts(self, transfer_id: str) -> list[_Transfer]:
+        request = self._requests.get(transfer_id)
+        return [self._transfers[key] for key in request.keys] if request else []
 
     def _forget(self, transfer: _Transfer) -> None:
         TRANSITIONS.move(transfer, State.ENDED)
-        self._transfers.pop(transfer.transfer_id, None)
-        self._ended[transfer.transfer_id] = None
+        key = _key(transfer)
+        self._transfers.pop(key, None)
+        request = self._requests[transfer.transfer_id]
+        request.keys.discard(key)
+        if not request.keys and not request.blocks:
+            del self._requests[transfer.transfer_id]  # only announced: no outcome owed
+        self._ended[key] = None
         if len(self._ended) > _ENDED_MEMORY:
             del self._ended[next(iter(self._ended))]
         for kind in ("watchdog", "landing", "settle"):
-            self._deadlines.cancel((kind, transfer.transfer_id))
+            self._deadlines.cancel((kind, key))
 
     # -- inspection ------------------------------------------------------------------
 
     def waiting(self) -> list[str]:
         """Transfers with blocks that have not ended yet."""
-        return [t.transfer_id for t in self._transfers.values() if t.blocks is not None]
+        return sorted(tid for tid, request in self._requests.items() if request.blocks)
 
-    def state_of(self, transfer_id: str) -> State | None:
-        transfer = self._transfers.get(transfer_id)
+    def state_of(self, transfer_id: str, peer: str | None = None) -> State | None:
+        """The state of the transfer's part from `peer` (None: its only part)."""
+        parts = self._parts(transfer_id)
+        if peer is None:
+            return parts[0].state if len(parts) == 1 else None
+        transfer = self._transfers.get((transfer_id, peer))
         return transfer.state if transfer else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpush.errors import RegionError
-from kvpush.layout import KVLayout, pairing_split
+from kvpush.layout import KVLayout, plan
 from kvpush.protocol.messages import Hello
 
 # What a worker does in a pairing; the one list of them (vLLM's kv_role names map
@@ -27,16 +27,7 @@ def pairing_problem(local: Hello, remote: Hello) -> str | None:
         return f"the peer has unknown role {remote.role!r}"
     if local.role == remote.role and local.role != "both":
         return f"both sides are {local.role}s; a {local.role} pairs with the other role"
-    if local.identity.world != remote.identity.world:
-        return (
-            f"tensor-parallel sizes differ: {local.identity.world} here, "
-            f"{remote.identity.world} on the peer (only equal sizes pair)"
-        )
-    if local.identity.rank != remote.identity.rank:
-        return (
-            f"rank mismatch: rank {local.identity.rank} here was reached by the peer's "
-            f"rank {remote.identity.rank}"
-        )
+    # Which ranks pair, across TP sizes too, the layouts' shards say (layout_problem).
     return None
 
 
@@ -54,13 +45,15 @@ def unexpected_producer(hello: Hello, engine: str, epoch: str) -> str | None:
     return None
 
 
-def layout_problem(local: KVLayout, remote: KVLayout, digest: str) -> str | None:
+def layout_problem(
+    local: KVLayout, remote: KVLayout, digest: str, local_produces: bool
+) -> str | None:
     """Why the peer's layout (sent after its hello named its `digest`) cannot pair
-    with ours, or None."""
+    with ours, or None. `local_produces`: we are the producer side of this link."""
     if remote.digest() != digest:
         return "the peer's KV layout is not the one its hello named"
     try:
-        pairing_split(local, remote)
+        plan(local, remote) if local_produces else plan(remote, local)
     except RegionError as exc:
         return str(exc)
     return None

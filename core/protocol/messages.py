@@ -23,6 +23,7 @@ from kvpush.layout import KVLayout
 PROTOCOL_VERSION = 4
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
+MAX_PARTS = 1024  # consumer ranks one producer rank may serve a transfer to
 MAX_TRANSFER_ID = 256
 
 # Failure reasons carried by Failed and Cancel, and reported to the engine.
@@ -101,13 +102,15 @@ class Register(msgspec.Struct, tag="register", frozen=True):
 
     `skip_blocks` leading blocks of the producer's KV are already on the consumer
     (prefix cache) and are not written; `block_ids[g]` are the destinations in
-    cache group g, in order.
+    cache group g, in order. `parts`: how many consumer ranks claim this transfer
+    from this producer rank (1 unless the two sides' tensor-parallel sizes differ).
     """
 
     transfer_id: str
     block_ids: list[list[int]]
     layout_digest: str
     skip_blocks: int = 0
+    parts: int = 1
 
 
 class PullRequest(msgspec.Struct, tag="pull_request", frozen=True):
@@ -120,6 +123,7 @@ class PullRequest(msgspec.Struct, tag="pull_request", frozen=True):
     transfer_id: str
     num_blocks: int
     skip_blocks: int = 0
+    parts: int = 1  # as Register's
 
 
 class Grant(msgspec.Struct, tag="grant", frozen=True):
@@ -296,8 +300,11 @@ def check(message: Message) -> None:
         raise ProtocolError("empty NIXL agent metadata")
     if isinstance(message, Register | Grant):
         check_block_lists(message.block_ids)
-    if isinstance(message, (Register, PullRequest)) and message.skip_blocks < 0:
-        raise ProtocolError(f"skip_blocks must be >= 0, got {message.skip_blocks}")
+    if isinstance(message, (Register, PullRequest)):
+        if message.skip_blocks < 0:
+            raise ProtocolError(f"skip_blocks must be >= 0, got {message.skip_blocks}")
+        if not 1 <= message.parts <= MAX_PARTS:
+            raise ProtocolError(f"parts must be in 1..{MAX_PARTS}, got {message.parts}")
     if isinstance(message, Heartbeat):
         for tid in message.transfer_ids:
             check_transfer_id(tid)

@@ -13,6 +13,13 @@ computed). Once the consumer has registered, each newly ready run of layers is
 written at once, one WRITE per transfer at a time, so by the time the last layer is
 computed most of the KV has already crossed; the last WRITE carries the NIXL
 notification and is followed by Complete.
+
+With tensor parallelism of different sizes on the two sides, several consumer ranks
+may claim one transfer's KV from this rank (each takes the heads it holds; how many
+is in their claims). Each claim is a record of its own, keyed (transfer id, peer);
+the records of one transfer id form its family, which the engine's events reach
+all at once, and whose source blocks go back once, when the last record ends and
+no claim the consumers announced is still to come.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Final-report memory: far more transfers than can end between two reports of one.
 _FINAL_MEMORY = 65536
+
+# A record's key: (transfer id, the consumer peer that claimed it; None until one did).
+Key = tuple[str, "str | None"]
 
 
 @dataclass
@@ -111,6 +121,17 @@ _MAY_HEARTBEAT = (State.COMPUTING, State.EARLY, *_HEARTBEATING)
 
 
 @dataclass
+class _Family:
+    """The records of one transfer id, and what their consumers said to expect."""
+
+    keys: set[Key]
+    claims: int = 0  # claims accepted (one per consumer rank)
+    expected: int = 1  # claims the consumer ranks said would come (Register.parts)
+    outcome: str = ""  # the first failed claim's reason ("" while every claim was sent)
+    nbytes: int = 0  # what the ended claims wrote
+
+
+@dataclass
 class _Transfer:
     transfer_id: str
     state: State
@@ -143,6 +164,17 @@ class _Transfer:
     detail: str = ""  # failing: what the consumer is told
 
 
+# What a record knows of the engine's KV: the same for every claim of one transfer.
+_KV_FIELDS = (
+    "kv_blocks", "blocks_ready", "last_step", "layers_ready", "engine_done",
+    "kv_ready_wall", "sequential", "announced",
+)  # fmt: skip
+
+
+def _key(transfer: _Transfer) -> Key:
+    return (transfer.transfer_id, transfer.peer)
+
+
 class Producer:
     """All transfers of one prefill worker rank."""
 
@@ -150,13 +182,19 @@ class Producer:
         self.config = config
         self.num_layers = num_layers
         self._peers: dict[str, _Peer] = {}
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[Key, _Transfer] = {}
+        self._families: dict[str, _Family] = {}
         self._tombstones: dict[str, str] = {}  # ended transfer id -> why
         self._released: set[str] = set()  # released before the engine's last layer report
         # Transfers whose last-layer report was acted on: the engine may report the
         # last layer twice (the layer's own hook, then the end of the step).
         self._final_seen: OrderedDict[str, None] = OrderedDict()
         self._refused: dict[tuple[str, str], str] = {}  # (peer, id) told Failed -> why
+        # Consumers whose heartbeats named a transfer nobody has claimed yet: should
+        # every one of them be lost, no claim will come (a retry takes a new id).
+        self._announcers: dict[str, set[str]] = {}
+        # Transfers whose every announcer was lost (the last ones: a bounded memory).
+        self._deserted: OrderedDict[str, None] = OrderedDict()
         self._deadlines = Deadlines()
 
     # -- sessions --------------------------------------------------------------------
@@ -167,10 +205,15 @@ class Producer:
         return []
 
     def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
-        """The consumer's side channel closed: drop what it claimed, free what it held."""
+        """The consumer's side channel closed: drop what it claimed, free what it held,
+        and hold what only it announced a few heartbeats more, not the whole lease."""
         self._peers.pop(peer, None)
         actions: list[Action] = []
-        for transfer in [t for t in self._transfers.values() if t.peer == peer]:
+        for tid in [t for t, peers in self._announcers.items() if peer in peers]:
+            self._announcers[tid].discard(peer)
+            if not self._announcers[tid]:
+                actions += self._desert(tid, now)
+        for transfer in [t for t in list(self._transfers.values()) if t.peer == peer]:
             if transfer.state in _WRITE_IN_FLIGHT:
                 # The consumer frees its blocks once this WRITE can no longer land:
                 # its completion ends the transfer, and nothing more is written.
@@ -179,19 +222,40 @@ class Producer:
                 actions += self._end(transfer, "peer_lost", now)
         return actions
 
+    def _desert(self, tid: str, now: float) -> list[Action]:
+        """Every consumer that announced `tid` is gone: what it waits for will not be
+        claimed. Cut an unclaimed record's hold to a few heartbeats."""
+        del self._announcers[tid]
+        self._deserted[tid] = None
+        while len(self._deserted) > _FINAL_MEMORY:
+            self._deserted.popitem(last=False)
+        self._deadlines.cancel(("claim", tid))
+        unclaimed = self._transfers.get((tid, None))
+        if unclaimed is not None and unclaimed.state == State.HELD:
+            cut = now + self._deserted_hold()
+            if cut < (self._deadlines.get(("lease", (tid, None))) or float("inf")):
+                self._deadlines.set(("lease", (tid, None)), cut)
+        return []
+
+    def _deserted_hold(self) -> float:
+        """How long KV whose announcers were all lost is kept: a claim already on its
+        way (sent just before the loss) still lands in that."""
+        return 2 * self.config.heartbeat_s
+
     # -- engine events ---------------------------------------------------------------
 
     def kv_pending(self, transfer_id: str, now: float, sequential: bool = False) -> list[Action]:
         """The engine has the request: registrations for it are worth keeping.
         `sequential`: the producer named the transfer, and the consumer's leg comes
         only once the engine answered (see orphan_grace_s)."""
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None and transfer_id not in self._tombstones:
-            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
-            self._deadlines.set(("reg", transfer_id), now + self.config.registration_ttl_s)
-        elif transfer is not None and transfer.state == State.EARLY:
-            TRANSITIONS.move(transfer, State.CLAIMED)
-        if transfer is not None:
+        records = self._family(transfer_id)
+        if not records and transfer_id not in self._tombstones:
+            records = [self._new(transfer_id, None, State.COMPUTING)]
+            deadline = now + self.config.registration_ttl_s
+            self._deadlines.set(("reg", (transfer_id, None)), deadline)
+        for transfer in records:
+            if transfer.state == State.EARLY:
+                TRANSITIONS.move(transfer, State.CLAIMED)
             transfer.sequential = sequential
         arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         return []
@@ -219,11 +283,23 @@ class Producer:
                 self._final_seen.popitem(last=False)
         if transfer_id in self._released or transfer_id in self._tombstones:
             return self._reported_after_end(transfer_id, final)
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None:
-            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
-        if layers <= transfer.layers_ready:
+        records = self._family(transfer_id) or [self._new(transfer_id, None, State.COMPUTING)]
+        if layers <= records[0].layers_ready:
             return [Counted("duplicate_kv_ready")]
+        actions: list[Action] = []
+        for transfer in records:
+            actions += self._kv_ready(transfer, block_ids, now, ready_wall, layers, final)
+        return actions
+
+    def _kv_ready(
+        self,
+        transfer: _Transfer,
+        block_ids: list[int],
+        now: float,
+        ready_wall: float,
+        layers: int,
+        final: bool,
+    ) -> list[Action]:
         if not transfer.last_step:
             transfer.kv_blocks = list(block_ids)  # the whole list now, earlier chunks' too
             transfer.last_step = True
@@ -234,21 +310,29 @@ class Producer:
         if not final:
             return self._write_more(transfer, now) if transfer.dst_blocks is not None else []
         transfer.kv_ready_wall = ready_wall
-        self._deadlines.cancel(("reg", transfer_id))
+        self._deadlines.cancel(("reg", _key(transfer)))
         if transfer.dst_blocks is not None:
             return self._write_more(transfer, now)
         if transfer.peer is not None:
             return self._grant(transfer, now)
+        self._hold(transfer, now)
+        return []
+
+    def _hold(self, transfer: _Transfer, now: float) -> None:
+        """All of the KV is computed and nobody (more) has claimed it: keep it under a
+        lease (short for a transfer the producer named, unless a consumer announced it)."""
+        transfer_id = transfer.transfer_id
         TRANSITIONS.move(transfer, State.HELD)
         announced = self._deadlines.get(("claim", transfer_id))
         transfer.announced = transfer.announced or announced is not None
         hold = self.config.lease_s
         if transfer.sequential and not transfer.announced:
             hold = min(self.config.orphan_grace_s, hold)
+        if transfer_id in self._deserted:
+            hold, announced = min(self._deserted_hold(), hold), None
         lease = max(now + hold, announced or 0)
         self._deadlines.cancel(("claim", transfer_id))
-        self._deadlines.set(("lease", transfer_id), lease)
-        return []
+        self._deadlines.set(("lease", _key(transfer)), lease)
 
     def kv_progress(
         self, transfer_id: str, block_ids: list[int], full_blocks: int, now: float
@@ -263,11 +347,17 @@ class Producer:
         """
         if transfer_id in self._released or transfer_id in self._tombstones:
             return self._reported_after_end(transfer_id, final=False)
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None:
-            transfer = self._transfers[transfer_id] = _Transfer(transfer_id, State.COMPUTING)
-        if transfer.last_step:
+        records = self._family(transfer_id) or [self._new(transfer_id, None, State.COMPUTING)]
+        if records[0].last_step:
             return [Counted("duplicate_kv_ready")]
+        actions: list[Action] = []
+        for transfer in records:
+            actions += self._kv_progress(transfer, block_ids, full_blocks, now)
+        return actions
+
+    def _kv_progress(
+        self, transfer: _Transfer, block_ids: list[int], full_blocks: int, now: float
+    ) -> list[Action]:
         transfer.kv_blocks = list(block_ids)  # held now: they go back through us
         if transfer.state == State.EARLY:
             TRANSITIONS.move(transfer, State.CLAIMED)  # the engine has the request now
@@ -294,29 +384,33 @@ class Producer:
     def abort(self, transfer_id: str, now: float) -> list[Action]:
         """The engine dropped the request (client gone, router cancelled the leg): it
         reports nothing more for it."""
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None:
+        records = self._family(transfer_id)
+        if not records:
             self._released.discard(transfer_id)
             self._tombstone(transfer_id, "aborted", now)
             return []
-        transfer.engine_done = True
-        if transfer.state in _WRITE_IN_FLIGHT:
-            self._fail_after_write(transfer, "aborted", "the prefill request was aborted")
-            return []
-        return self._end(transfer, "aborted", now, notify=True)
+        actions: list[Action] = []
+        for transfer in records:
+            transfer.engine_done = True
+            if transfer.state in _WRITE_IN_FLIGHT:
+                self._fail_after_write(transfer, "aborted", "the prefill request was aborted")
+            else:
+                actions += self._end(transfer, "aborted", now, notify=True)
+        return actions
 
     def on_write_done(
         self,
         transfer_id: str,
+        peer: str,
         ok: bool,
         now: float,
         detail: str = "",
         nbytes: int = 0,
         may_land: bool = False,
     ) -> list[Action]:
-        """The WRITE in flight for `transfer_id` completed (ok) or failed; `may_land`:
-        it was given up on unfinished, so its bytes may still arrive."""
-        transfer = self._transfers.get(transfer_id)
+        """The WRITE in flight for `transfer_id` to `peer` completed (ok) or failed;
+        `may_land`: it was given up on unfinished, so its bytes may still arrive."""
+        transfer = self._transfers.get((transfer_id, peer))
         if transfer is None or transfer.state not in _WRITE_IN_FLIGHT:
             return [Counted("unexpected_write_completion")]
         ended_as = transfer.state
@@ -368,33 +462,87 @@ class Producer:
         if refusal is None:
             problem = self._check_destinations(peer, message)
             refusal = ("bad_blocks", problem) if problem else None
-        transfer = self._transfers.get(tid)
+        transfer = self._transfers.get((tid, peer))
         destinations = message.block_ids[0]
-        if refusal is None and transfer is not None and transfer.peer is not None:
-            if transfer.peer == peer and transfer.dst_blocks == destinations:
+        if refusal is None and transfer is not None:
+            if transfer.dst_blocks == destinations:
                 return [Counted("duplicate_registrations")]
-            refusal = ("conflict", "the transfer id is already claimed")
+            refusal = ("conflict", "this consumer claimed the transfer for other blocks")
+        refusal = refusal or self._claim_refusal(tid, message.parts)
         if refusal is not None:
             return self._refuse(peer, tid, *refusal, now)
-        transfer = self._claim(tid, peer)
+        transfer = self._claim(tid, peer, message.parts)
         transfer.dst_blocks = list(destinations)
         transfer.skip_blocks = message.skip_blocks
-        self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+        self._deadlines.set(("reg", (tid, peer)), now + self.config.registration_ttl_s)
         # The consumer hears from us while prefill computes.
         arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         if transfer.kv_blocks is not None:
             return self._write_more(transfer, now)
         return []
 
-    def _claim(self, tid: str, peer: str) -> _Transfer:
-        """Bind `tid` to the consumer at `peer`, whether or not the engine has it yet."""
-        transfer = self._transfers.get(tid)
-        if transfer is None:
-            transfer = self._transfers[tid] = _Transfer(tid, State.EARLY)
-        else:
+    def _claim_refusal(self, tid: str, parts: int) -> tuple[str, str] | None:
+        """Why one more consumer may not claim `tid`, which `parts` consumer ranks in all
+        claim from here (checked after the claimant's own earlier claim)."""
+        family = self._families.get(tid)
+        if family is None or family.claims == 0:
+            return None
+        if parts != family.expected:
+            return "conflict", (
+                f"the claims disagree on how many consumer ranks take this KV from this "
+                f"rank ({family.expected} before, {parts} now)"
+            )
+        if family.claims >= family.expected:
+            return "conflict", "the transfer id is already claimed"
+        return None
+
+    def _claim(self, tid: str, peer: str, parts: int) -> _Transfer:
+        """Bind `tid` to the consumer at `peer`, one of `parts` consumer ranks that take
+        its KV from here, whether or not the engine has it yet."""
+        family = self._families.get(tid)
+        unclaimed = self._transfers.get((tid, None))
+        if unclaimed is not None:
+            transfer = self._rekey(unclaimed, peer)
             TRANSITIONS.move(transfer, State.CLAIMED)
-        transfer.peer = peer
+        elif family is not None and family.keys:
+            # Another consumer rank claimed it first: this claim starts from the same KV.
+            sibling = self._transfers[next(iter(family.keys))]
+            transfer = self._new(tid, peer, State.EARLY if sibling.state == State.EARLY
+                                 else State.CLAIMED)  # fmt: skip
+            for name in _KV_FIELDS:
+                setattr(transfer, name, getattr(sibling, name))
+            if transfer.kv_blocks is not None:
+                transfer.kv_blocks = list(transfer.kv_blocks)
+        else:
+            transfer = self._new(tid, peer, State.EARLY)
+        family = self._families[tid]
+        family.claims += 1
+        family.expected = parts
         return transfer
+
+    def _new(self, tid: str, peer: str | None, state: State) -> _Transfer:
+        """A new record of `tid`, in its family."""
+        transfer = self._transfers[(tid, peer)] = _Transfer(tid, state, peer=peer)
+        self._families.setdefault(tid, _Family(set())).keys.add((tid, peer))
+        return transfer
+
+    def _rekey(self, transfer: _Transfer, peer: str) -> _Transfer:
+        """The unclaimed record of a transfer, now the record of `peer`'s claim."""
+        old = _key(transfer)
+        del self._transfers[old]
+        for kind in ("lease", "reg"):
+            self._deadlines.cancel((kind, old))
+        transfer.peer = peer
+        self._transfers[_key(transfer)] = transfer
+        keys = self._families[transfer.transfer_id].keys
+        keys.discard(old)
+        keys.add(_key(transfer))
+        return transfer
+
+    def _family(self, transfer_id: str) -> list[_Transfer]:
+        """Every live record of `transfer_id`."""
+        family = self._families.get(transfer_id)
+        return [self._transfers[key] for key in family.keys] if family else []
 
     def _refusal(self, peer: str, tid: str, mode: str) -> tuple[str, str] | None:
         """Why a claim on `tid` from `peer` must be refused before looking at it."""
@@ -409,8 +557,8 @@ class Producer:
     def _refuse(self, peer: str, tid: str, reason: str, detail: str, now: float) -> list[Action]:
         """Tell `peer` the transfer failed, and keep that promise: nothing more is
         written for `tid` into its blocks, whatever it sends later."""
-        transfer = self._transfers.get(tid)
-        if transfer is not None and transfer.peer == peer:
+        transfer = self._transfers.get((tid, peer))
+        if transfer is not None:
             if transfer.state in _WRITE_IN_FLIGHT:
                 self._fail_after_write(transfer, reason, detail)
                 return []  # Failed goes out when the WRITE in flight is over
@@ -443,9 +591,9 @@ class Producer:
         if transfer.state in _WRITE_IN_FLIGHT:
             return []  # its completion posts what became ready meanwhile
         all_ready = transfer.layers_ready == self.num_layers
-        self._deadlines.cancel(("lease", transfer.transfer_id))
+        self._deadlines.cancel(("lease", _key(transfer)))
         if all_ready:
-            self._deadlines.cancel(("reg", transfer.transfer_id))
+            self._deadlines.cancel(("reg", _key(transfer)))
         sources = transfer.kv_blocks[transfer.skip_blocks :]
         destinations = transfer.dst_blocks
         if not transfer.last_step:
@@ -524,27 +672,23 @@ class Producer:
     def _on_pull_request(self, peer: str, message: PullRequest, now: float) -> list[Action]:
         tid = message.transfer_id
         refusal = self._refusal(peer, tid, "pull")
-        transfer = self._transfers.get(tid)
-        if refusal is None and transfer is not None and transfer.peer is not None:
-            if transfer.peer != peer:
-                refusal = ("conflict", "another consumer is reading it")
-            elif (transfer.pull_blocks, transfer.skip_blocks) == (
-                message.num_blocks,
-                message.skip_blocks,
-            ):
+        transfer = self._transfers.get((tid, peer))
+        if refusal is None and transfer is not None:
+            asked = (message.num_blocks, message.skip_blocks)
+            if (transfer.pull_blocks, transfer.skip_blocks) == asked:
                 return [Counted("duplicate_pull_requests")]
-            else:
-                refusal = ("conflict", "the transfer id is already claimed")
+            refusal = ("conflict", "this consumer claimed the transfer for other blocks")
         if refusal is None and message.num_blocks <= 0:
             refusal = ("bad_blocks", "a pull must ask for at least a block")
+        refusal = refusal or self._claim_refusal(tid, message.parts)
         if refusal is not None:
             return self._refuse(peer, tid, *refusal, now)
-        transfer = self._claim(tid, peer)
+        transfer = self._claim(tid, peer, message.parts)
         transfer.pull_blocks = message.num_blocks
         transfer.skip_blocks = message.skip_blocks
         if transfer.layers_ready == self.num_layers:
             return self._grant(transfer, now)
-        self._deadlines.set(("reg", tid), now + self.config.registration_ttl_s)
+        self._deadlines.set(("reg", (tid, peer)), now + self.config.registration_ttl_s)
         return []
 
     def _grant(self, transfer: _Transfer, now: float) -> list[Action]:
@@ -557,12 +701,15 @@ class Producer:
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
         TRANSITIONS.move(transfer, State.GRANTED)
-        self._deadlines.cancel(("reg", transfer.transfer_id))
-        self._deadlines.set(("lease", transfer.transfer_id), now + self.config.lease_s)
+        self._deadlines.cancel(("reg", _key(transfer)))
+        self._deadlines.set(("lease", _key(transfer)), now + self.config.lease_s)
         # The consumer holds the first blocks already (prefix cache): grant the rest.
         blocks = transfer.kv_blocks[first : first + transfer.pull_blocks]
         grant = Grant(transfer.transfer_id, [blocks], self.config.lease_s)
-        return [ExposeBlocks(transfer.transfer_id, blocks), Send(transfer.peer, grant)]
+        return [
+            ExposeBlocks(transfer.transfer_id, blocks, transfer.peer),
+            Send(transfer.peer, grant),
+        ]
 
     def _hold_grant(self, transfer: _Transfer, reason: str) -> list[Action]:
         """A granted transfer is abandoned, but a READ may still be copying its blocks:
@@ -573,33 +720,42 @@ class Producer:
         return []
 
     def _on_release(self, peer: str, message: Release, now: float) -> list[Action]:
-        transfer = self._transfers.get(message.transfer_id)
-        if transfer is None or transfer.peer != peer or transfer.state not in _READABLE:
+        transfer = self._transfers.get((message.transfer_id, peer))
+        if transfer is None or transfer.state not in _READABLE:
             return [Counted("rejected_messages", {"why": "unexpected_release"})]
         outcome = transfer.reason if transfer.state == State.ABANDONED else "sent"
         return self._end(transfer, outcome, now)
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
         for tid in message.transfer_ids:
-            transfer = self._transfers.get(tid)
-            if transfer is None:
+            records = self._family(tid)
+            if not records:
                 if tid not in self._tombstones:
                     # A consumer already waits for KV this engine has not produced yet.
                     self._deadlines.set(("claim", tid), now + self.config.lease_s)
+                    self._announced_by(tid, peer)
                 continue
-            if transfer.peer not in (None, peer) or transfer.state in _ENDING:
-                continue
-            transfer.announced = True
-            self._deadlines.extend(("lease", tid), now + self.config.lease_s)
-            self._deadlines.extend(("reg", tid), now + self.config.registration_ttl_s)
+            for transfer in records:
+                if transfer.peer not in (None, peer) or transfer.state in _ENDING:
+                    continue
+                transfer.announced = True
+                if transfer.peer is None:
+                    self._announced_by(tid, peer)
+                key = _key(transfer)
+                self._deadlines.extend(("lease", key), now + self.config.lease_s)
+                self._deadlines.extend(("reg", key), now + self.config.registration_ttl_s)
         return []
+
+    def _announced_by(self, tid: str, peer: str) -> None:
+        self._announcers.setdefault(tid, set()).add(peer)
+        self._deserted.pop(tid, None)
 
     def _on_cancel(self, peer: str, message: Cancel, now: float) -> list[Action]:
         tid = message.transfer_id
-        transfer = self._transfers.get(tid)
+        transfer = self._transfers.get((tid, peer)) or self._transfers.get((tid, None))
         ack = Send(peer, CancelAck(tid))
-        if transfer is not None and transfer.peer not in (None, peer):
-            return [ack]  # someone else's transfer: not yours to end
+        if transfer is None and self._family(tid):
+            return [ack]  # someone else's claim: not yours to end
         if transfer is None:
             # The consumer gave up before we heard of it: free the KV as soon as it exists.
             self._tombstone(tid, "aborted", now)
@@ -617,15 +773,17 @@ class Producer:
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for kind, tid in self._deadlines.pop_expired(now):
+        for kind, what in self._deadlines.pop_expired(now):
             if kind == "tomb":
-                self._tombstones.pop(tid, None)
+                self._tombstones.pop(what, None)
             elif kind == "refused":
-                self._refused.pop(tid, None)
+                self._refused.pop(what, None)
             elif kind == "heartbeat":
                 actions += self._heartbeats(now)
-            elif kind in ("lease", "reg") and tid in self._transfers:
-                actions += self._expire(self._transfers[tid], kind, now)
+            elif kind == "claim":  # announced, never produced: forget who announced it
+                self._announcers.pop(what, None)
+            elif kind in ("lease", "reg") and what in self._transfers:  # a record's key
+                actions += self._expire(self._transfers[what], kind, now)
         return actions
 
     def _expire(self, transfer: _Transfer, kind: str, now: float) -> list[Action]:
@@ -637,7 +795,7 @@ class Producer:
             return []
         if transfer.state == State.COMPUTING:
             # Nobody claimed it yet and the engine still works on it: keep waiting.
-            self._deadlines.set(("reg", transfer.transfer_id), now + self.config.registration_ttl_s)
+            self._deadlines.set(("reg", _key(transfer)), now + self.config.registration_ttl_s)
             return []
         if transfer.state == State.ABANDONED:
             # The consumer was told when it was abandoned; only the blocks are left.
@@ -662,20 +820,41 @@ class Producer:
     def _end(
         self, transfer: _Transfer, outcome: str, now: float, notify: bool = False, detail: str = ""
     ) -> list[Action]:
-        """Forget the transfer; free its KV (once) and tell its consumer if asked."""
+        """Forget the record, telling its consumer if asked; free the KV (once) when it
+        was the family's last, and no claim the consumers announced is still to come."""
         TRANSITIONS.move(transfer, State.ENDED)
-        tid = transfer.transfer_id
-        self._transfers.pop(tid, None)
-        for kind in ("lease", "reg", "claim"):
-            self._deadlines.cancel((kind, tid))
-        self._tombstone(tid, outcome if outcome != "sent" else "completed", now)
+        tid, key = transfer.transfer_id, _key(transfer)
+        self._transfers.pop(key, None)
+        for kind in ("lease", "reg"):
+            self._deadlines.cancel((kind, key))
         actions: list[Action] = []
         if notify and transfer.peer in self._peers:
             actions.append(Send(transfer.peer, Failed(tid, outcome, detail)))
+        family = self._families[tid]
+        family.keys.discard(key)
+        family.nbytes += transfer.nbytes
+        if outcome != "sent" and transfer.peer is not None:
+            family.outcome = family.outcome or outcome
+        if family.keys:
+            return actions  # another consumer rank's claim still uses the KV
+        if outcome == "sent" and family.claims < family.expected and not family.outcome:
+            # Another consumer rank will claim this KV: keep it for that one.
+            rest = self._new(tid, None, State.COMPUTING)
+            for name in _KV_FIELDS:
+                setattr(rest, name, getattr(transfer, name))
+            rest.announced = True  # a consumer of this transfer exists
+            self._hold(rest, now)
+            return actions
+        del self._families[tid]
+        self._deadlines.cancel(("claim", tid))
+        self._announcers.pop(tid, None)
+        self._deserted.pop(tid, None)
+        outcome = family.outcome or outcome
+        self._tombstone(tid, outcome if outcome != "sent" else "completed", now)
         if transfer.kv_blocks is not None:
             if not transfer.engine_done:
                 self._released.add(tid)  # more reports will come: ignore them
-            actions.append(ReleaseBlocks(tid, outcome, transfer.nbytes))
+            actions.append(ReleaseBlocks(tid, outcome, family.nbytes))
         return actions
 
     def _tombstone(self, transfer_id: str, why: str, now: float) -> None:
@@ -684,28 +863,34 @@ class Producer:
 
     # -- inspection (tests, metrics) -------------------------------------------------
 
-    def abandon(self, transfer_id: str, reason: str, detail: str, now: float) -> list[Action]:
-        """The I/O layer could not make the KV readable (a staging copy failed):
-        fail the transfer before anything reads it."""
-        transfer = self._transfers.get(transfer_id)
+    def abandon(
+        self, transfer_id: str, peer: str | None, reason: str, detail: str, now: float
+    ) -> list[Action]:
+        """The I/O layer could not make the KV readable for `peer`'s claim (a staging
+        copy failed): fail that claim before anything reads it."""
+        transfer = self._transfers.get((transfer_id, peer))
         if transfer is None:
             return []
         return self._end(transfer, reason, now, notify=True, detail=detail)
 
     def tracks(self, transfer_id: str) -> bool:
         """Whether the transfer is live here (its KV may still be read for a WRITE)."""
-        return transfer_id in self._transfers
+        return transfer_id in self._families
 
     def holding(self) -> list[str]:
         """Transfers whose KV blocks the producer still holds."""
-        return [t.transfer_id for t in self._transfers.values() if t.kv_blocks is not None]
+        return sorted({t.transfer_id for t in self._transfers.values() if t.kv_blocks is not None})
 
     def claimed(self) -> int:
-        """How many live transfers a consumer has claimed (registered, or asked to read)."""
+        """How many live claims consumers have made (registered, or asked to read)."""
         return sum(1 for t in self._transfers.values() if t.peer is not None)
 
-    def state_of(self, transfer_id: str) -> State | None:
-        transfer = self._transfers.get(transfer_id)
+    def state_of(self, transfer_id: str, peer: str | None = None) -> State | None:
+        """The state of `peer`'s claim on the transfer (None: the unclaimed record; a
+        transfer claimed by one consumer alone answers for it too)."""
+        transfer = self._transfers.get((transfer_id, peer))
+        if transfer is None and peer is None and len(self._family(transfer_id)) == 1:
+            (transfer,) = self._family(transfer_id)
         return transfer.state if transfer else None
 
     def awaiting_reads(self) -> bool:

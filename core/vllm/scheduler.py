@@ -32,6 +32,7 @@ from typing import Any
 
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.kv_params import decode_params, prefill_echo
+from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, producer_allowed, rank_port
@@ -661,13 +662,16 @@ def _decode_leg_problem(
     addresses = params["remote_addresses"]
     if (
         not isinstance(addresses, list)
-        or len(addresses) != world
+        or not addresses
         or not all(isinstance(a, str) and _HOST_PORT.fullmatch(a) for a in addresses)
     ):
         return "bad_addresses", (
             f"remote_addresses must list one side-channel host:port per tensor-parallel "
-            f"rank ({world} here), got {str(addresses)[:200]}"
+            f"rank of the prefill instance, got {str(addresses)[:200]}"
         )
+    problem = tp_problem(len(addresses), world, 0)
+    if problem:
+        return "tp_mismatch", problem
     refused = [a for a in addresses if not producer_allowed(a, allowed)]
     if refused:
         return "producer_not_allowed", (

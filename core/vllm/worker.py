@@ -12,8 +12,11 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from kvpush.errors import ConfigError, KVPushError
-from kvpush.node import Node, NodeConfig
+from kvpush.layout import Shard, sources
+from kvpush.node import Node, NodeConfig, Source
 from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.metadata import (
@@ -53,6 +56,18 @@ def check_blocks_match(
         )
 
 
+def check_heads(inner: str, shard: Shard) -> None:
+    """Refuse a KV cache whose blocks do not hold the heads vLLM's sharding gives this
+    rank: kvpush would move other heads than the peer expects."""
+    first = inner.split(",")[0]
+    if first.startswith("heads:") and int(first[len("heads:") :]) != shard.count:
+        raise ConfigError(
+            f"the KV cache blocks of TP rank {shard.rank} of {shard.world} hold "
+            f"{first[len('heads:') :]} KV heads, but the model's {shard.heads} shard to "
+            f"{shard.count} a rank: kvpush cannot tell which heads it holds"
+        )
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -65,11 +80,14 @@ class WorkerSide:
         local_rank: int,
         backends: Backends | None = None,
         dp_rank: int = 0,
+        kv_heads: int = 0,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.role = KV_ROLES[kv_role]
         self.rank, self.world = rank, world
+        # The model's KV heads, of which this rank's blocks hold its share (0: one each).
+        self.shard = Shard(rank, world, kv_heads or world)
         self.dp_rank = dp_rank  # data-parallel rank: its workers get their own ports
         self.device_type = device_type
         self.backends = backends or get_backends()
@@ -104,6 +122,8 @@ class WorkerSide:
             self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
         check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
+        check_heads(kv.layout.inner, self.shard)
+        kv.layout = msgspec.structs.replace(kv.layout, shard=self.shard)
         port = rank_port(self.config.port, self.dp_rank * self.world + self.rank)
         node_config = NodeConfig(
             engine_id=self.engine_id,
@@ -149,21 +169,16 @@ class WorkerSide:
         for pending in meta.pending:
             node.kv_pending(pending.transfer_id, pending.sequential)
         for announce in meta.announces:
-            node.announce(
-                announce.transfer_id,
-                announce.producers[self.rank],
-                announce.engine,
-                self._rank_epoch(announce.epochs),
-            )
+            for source in self._sources(announce.producers, announce.epochs):
+                node.announce(announce.transfer_id, source.peer, announce.engine, source.epoch)
         for expect in meta.expects:
             self._receiver_of[expect.transfer_id] = expect.request_id
             node.expect(
                 expect.transfer_id,
-                expect.producers[self.rank],
+                self._sources(expect.producers, expect.epochs),
                 expect.block_ids,
                 expect.skip_blocks,
                 expect.engine,
-                self._rank_epoch(expect.epochs),
             )
         for tid in meta.aborts:
             node.abort(tid)
@@ -292,9 +307,15 @@ class WorkerSide:
                 log.warning("kvpush: closing the node: %s", exc)
             self.node = None
 
-    def _rank_epoch(self, epochs: tuple[str, ...]) -> str:
-        """Our producer rank's boot, of every rank's a decode leg names ("": any)."""
-        return epochs[self.rank] if len(epochs) == self.world else ""
+    def _sources(self, producers: tuple[str, ...], epochs: tuple[str, ...]) -> list[Source]:
+        """The producer ranks this rank takes its KV heads from (its own rank when the
+        TP sizes are equal), each with its boot ("": any) and how many consumer ranks
+        it fills (kvpush.layout.sources)."""
+        boots = epochs if len(epochs) == len(producers) else ("",) * len(producers)
+        return [
+            Source(producers[rank], boots[rank], parts)
+            for rank, parts in sources(self.shard, len(producers))
+        ]
 
     def _node(self) -> Node:
         if self.node is None:

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
 import kv_devices
 import kvpush_example_backend as example
 
-from kvpush.node import Node, NodeConfig
+from kvpush.layout import Shard
+from kvpush.node import Node, NodeConfig, Source
 from kvpush.plugins import Backends
 from kvpush.protocol.config import ProtocolConfig
 
@@ -55,15 +57,25 @@ class NodePeer:
         rank: int = 0,
         world: int = 1,
         lock_dir: str = "",
+        heads: int = 0,
         **protocol: float,
     ) -> None:
         self.cache = None
+        # Each rank holds its share of the model's KV heads (one each unless `heads`).
+        self.shard = Shard(rank, world, heads or world)
         if device in kv_devices.KINDS:
             self.cache = kv_devices.FakeDeviceCache(device, layers, blocks, lock_dir)
             self.backends, self.tensors = self.cache.backends, self.cache.tensors
             self.kv = self.cache.kv
+        elif heads:  # blocks of heads, as vLLM's CPU cache is: [blocks, heads, bytes]
+            self.backends = Backends(["host"])
+            per_head = block_bytes // heads  # a head is as large on every rank
+            self.buf = np.full((layers, blocks, self.shard.count, per_head), fill, np.uint8)
+            self.tensors = {f"layer.{i}": self.buf[i] for i in range(layers)}
+            self.kv = self.backends.describe(self.tensors, ("blocks", "heads", "bytes"))
         else:
             self._init_buffers(device, layers, blocks, block_bytes, fill)
+        self.kv.layout = msgspec.structs.replace(self.kv.layout, shard=self.shard)
         config = NodeConfig(
             engine_id,
             role,
@@ -100,9 +112,30 @@ class NodePeer:
         tensor = self.tensors[name]
         return tensor.memory if isinstance(tensor, GatedTensor) else tensor
 
-    def expect(self, tid: str, producer: str, blocks: list[int], skip: int = 0) -> dict:
+    def expect(self, tid: str, producer: str | list, blocks: list[int], skip: int = 0) -> dict:
+        """`producer`: an address, or [address, parts] for each producer rank."""
+        if not isinstance(producer, str):
+            producer = [Source(address, "", parts) for address, parts in producer]
         self.node.expect(tid, producer, blocks, skip)
         return {}
+
+    def kv_ready_heads(self, tid: str, blocks: list[int], base: int) -> dict:
+        """Compute `blocks` in every layer, each head holding `base` + its index in the
+        model, then say so."""
+        for tensor in self.tensors.values():
+            for i in range(self.shard.count):
+                tensor[blocks, i] = base + self.shard.first + i
+        self.node.kv_ready(tid, blocks, self.backends.fence(self.kv))
+        return {}
+
+    def head_values(self, block: int) -> dict:
+        """What each local head of `block` holds, layer by layer (one value each)."""
+        return {
+            "values": [
+                [sorted(set(tensor[block, i].tolist())) for i in range(self.shard.count)]
+                for tensor in self.tensors.values()
+            ]
+        }
 
     def announce(self, tid: str, producer: str) -> dict:
         self.node.announce(tid, producer)
@@ -161,7 +194,8 @@ class NodePeer:
     def pairings(self) -> dict:
         """For each paired peer: whether transfers go at K/V granularity (layouts differ)."""
         routes = self.node.loop.call(lambda: list(self.node.data.routes.values()))
-        return {"split": sorted(route.split for route in routes)}
+        split = [any(unit.part in ("K", "V") for unit in route.local) for route in routes]
+        return {"split": sorted(split)}
 
     def kv_progress(self, tid: str, blocks: list[int], full: int, value: int) -> dict:
         """A chunk of the prompt ran: write `value` into every layer of the first `full`

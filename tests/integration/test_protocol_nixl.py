@@ -270,6 +270,40 @@ def test_equal_tensor_parallel_ranks_pair_rank_by_rank(spawn):
     assert failed["reason"] == "handshake_failed" and "rank" in failed["detail"]
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_prefill_tp1_fills_two_decode_ranks_each_with_its_own_head(spawn, mode):
+    producer = spawn("producer", "prefill", heads=2, mode=mode)  # TP 1: both heads
+    consumers = [spawn("consumer", "decode", rank=r, world=2, heads=2, mode=mode) for r in range(2)]
+    for consumer in consumers:  # each takes its head from the one producer rank
+        consumer.call("expect", tid="t1", producer=[[producer.address, 2]], blocks=[3])
+    _registered(producer, 2)
+    producer.call("kv_ready_heads", tid="t1", blocks=[5], base=0x10)
+    for rank, consumer in enumerate(consumers):
+        assert _one(consumer)["kind"] == "delivered"
+        assert consumer.call("head_values", block=3)["values"] == [[[0x10 + rank]]] * 2
+    released = _one(producer)
+    assert (released["kind"], released["reason"]) == ("released", "sent")  # once, for both
+    _quiet(producer)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_decode_tp1_takes_its_two_heads_from_two_prefill_ranks(spawn, mode):
+    producers = [
+        spawn("producer", "prefill", rank=r, world=2, heads=2, mode=mode) for r in range(2)
+    ]
+    consumer = spawn("consumer", "decode", heads=2, mode=mode)  # TP 1: both heads
+    sources = [[p.address, 1] for p in producers]
+    consumer.call("expect", tid="t1", producer=sources, blocks=[3])
+    for rank, producer in enumerate(producers):
+        _registered(producer)
+        producer.call("kv_ready_heads", tid="t1", blocks=[5 + rank], base=0x20)
+    (delivered,) = consumer.call("results", count=2, seconds=15, timeout=45)["outcomes"]
+    assert delivered["kind"] == "delivered"  # one outcome, once both heads landed
+    assert consumer.call("head_values", block=3)["values"] == [[[0x20], [0x21]]] * 2
+    for producer in producers:
+        assert _one(producer)["reason"] == "sent"
+
+
 def test_layer_reports_after_a_transfer_ended_hold_no_fences_and_release_once(spawn):
     """The router cancelled the prefill leg before its KV existed; the engine still
     reports each layer (with a fence) and then the whole step, twice over."""

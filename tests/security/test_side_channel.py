@@ -118,15 +118,20 @@ def test_a_replayed_hello_with_the_secret_never_gets_the_metadata(producer):
     assert all(not hasattr(m, "layout") and not hasattr(m, "metadata") for m in received)
 
 
-def test_too_many_links_mid_handshake_are_turned_away(producer, monkeypatch):
+def test_too_many_links_mid_handshake_are_turned_away(monkeypatch):
     monkeypatch.setattr(links, "MAX_UNPAIRED", 2)
+    producer = _node("producer", "prefill-engine")  # 10 s to complete a handshake
     held = [_dial(producer) for _ in range(2)]
-    time.sleep(0.1)  # both accepted
+    deadline = time.monotonic() + 10
+    while producer.loop.call(lambda: len(producer.links._links)) < 2:  # both accepted
+        assert time.monotonic() < deadline, "the node did not accept two connections"
+        time.sleep(0.01)
     extra = _dial(producer)
-    assert _everything_until_closed(extra, 2.0) == b""
+    assert _everything_until_closed(extra, 5.0) == b""
     assert producer.metrics.counter("rejected_links", why="too_many_unpaired") == 1
     for sock in held:
         sock.close()
+    producer.close()
 
 
 def test_a_decode_opens_its_memory_only_to_the_producer_its_leg_names(producer):

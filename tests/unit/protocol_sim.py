@@ -15,7 +15,7 @@ from kvpush.layout import BlockRun, KVLayout
 from kvpush.node.interpreter import Interpreter, Outcome, Settled
 from kvpush.protocol import actions as act
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.protocol.consumer import Consumer
+from kvpush.protocol.consumer import Consumer, Source
 from kvpush.protocol.handshake import unexpected_producer
 from kvpush.protocol.messages import Hello, Identity
 from kvpush.protocol.producer import Producer
@@ -292,7 +292,7 @@ class Sim:
         ids = side.ledger.alloc(tid, blocks)
         side.expected[tid] = ids
         side.skipped[tid] = skip
-        self._run_consumer(side, side.machine.expect(tid, PRODUCER, ids, self.now, skip))
+        self._run_consumer(side, side.machine.expect(tid, [Source(PRODUCER)], ids, self.now, skip))
         return ids
 
     def ready(self, tid: str, blocks: int = 4, layers: int | None = None) -> list[int]:
@@ -364,7 +364,8 @@ class Sim:
                         side.memory[(block, layer)] = (tid, source)
                 if post.notif:
                     self.notifs.append((consumer, post.notif))
-            self._run_producer(self.producer.on_write_done(tid, ok, self.now, "" if ok else "boom"))
+            result = self.producer.on_write_done(tid, consumer, ok, self.now, "" if ok else "boom")
+            self._run_producer(result)
 
     def finish_reads(self, ok: bool = True) -> None:
         for side in self.consumers.values():
@@ -377,7 +378,7 @@ class Sim:
                     for source, block in zip(post.remote_blocks, post.local_blocks, strict=True):
                         for layer in range(self.layers):
                             side.memory[(block, layer)] = (tid, source)
-                self._run_consumer(side, side.machine.on_read_done(tid, ok, self.now))
+                self._run_consumer(side, side.machine.on_read_done(tid, PRODUCER, ok, self.now))
 
     def poll_notifs(self) -> None:
         while self.notifs:
@@ -396,8 +397,9 @@ class Sim:
             for tid in [
                 t for t in self.writes if self.now - self.posted_at[t] >= self.config.write_grace_s
             ]:
-                del self.writes[tid]
-                self._run_producer(self.producer.on_write_done(tid, False, self.now, "timed out"))
+                consumer, _ = self.writes.pop(tid)
+                timed_out = self.producer.on_write_done(tid, consumer, False, self.now, "timed out")
+                self._run_producer(timed_out)
             self._run_producer(self.producer.tick(self.now))
             for side in self.consumers.values():
                 self._run_consumer(side, side.machine.tick(self.now))

@@ -15,7 +15,7 @@ from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol import consumer as consumer_machine
 from kvpush.protocol import producer as producer_machine
 from kvpush.protocol.config import ProtocolConfig
-from kvpush.protocol.consumer import TRANSITIONS, Consumer, State
+from kvpush.protocol.consumer import TRANSITIONS, Consumer, Source, State
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -376,7 +376,7 @@ def test_out_of_range_blocks_are_refused_before_any_write():
     sim = Sim(consumer_blocks=64)
     sim.ready("t1")
     bad = Register("t1", [[1, 2, 64]], sim.c.hello.layout_digest)
-    sim._run_consumer(sim.c, sim.c.machine.expect("t1", PRODUCER, [1, 2], sim.now))
+    sim._run_consumer(sim.c, sim.c.machine.expect("t1", [Source(PRODUCER)], [1, 2], sim.now))
     sim.c.ledger.alloc("t1", 0)
     sim.network.clear()
     sim.network.append(("producer", "decode0", bad))
@@ -390,7 +390,7 @@ def test_stale_layout_digest_is_refused():
     sim = Sim()
     sim.ready("t1")
     register = Register("t1", [[1]], "0" * 16)
-    sim._run_consumer(sim.c, sim.c.machine.expect("t1", PRODUCER, [], sim.now))
+    sim._run_consumer(sim.c, sim.c.machine.expect("t1", [Source(PRODUCER)], [], sim.now))
     sim.network.clear()
     sim.network.append(("producer", "decode0", register))
     sim.deliver(1)
@@ -439,7 +439,7 @@ def test_duplicate_expect_is_an_engine_error():
     sim = Sim()
     sim.expect("t1")
     with pytest.raises(ProtocolError, match="already expected"):
-        sim.c.machine.expect("t1", PRODUCER, [9], sim.now)
+        sim.c.machine.expect("t1", [Source(PRODUCER)], [9], sim.now)
 
 
 # -- layer by layer ------------------------------------------------------------------
@@ -809,14 +809,14 @@ def test_a_producer_that_is_not_the_engine_the_decode_leg_names_gets_no_claim():
     deployment). Its KV is not this prompt's, so nothing is registered with it."""
     sim = Sim()
     consumer = Consumer(ProtocolConfig(), "digest")
-    consumer.expect("t1", PRODUCER, [1, 2], 0.0, engine="prefill-that-was")
+    consumer.expect("t1", [Source(PRODUCER)], [1, 2], 0.0, engine="prefill-that-was")
     actions = consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     (failed,) = actions
     assert type(failed).__name__ == "TransferFailed" and failed.reason == "handshake_failed"
     assert "prefill-that-was" in failed.detail
     assert sim.producer_hello.identity.engine_id in failed.detail
     ok = Consumer(ProtocolConfig(), "digest")
-    ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=sim.producer_hello.identity.engine_id)
+    ok.expect("t2", [Source(PRODUCER)], [1, 2], 0.0, engine=sim.producer_hello.identity.engine_id)
     sends = ok.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     assert [type(s.message).__name__ for s in sends] == ["Register"]
 
@@ -827,12 +827,12 @@ def test_a_producer_that_restarted_since_the_decode_leg_was_made_gets_no_claim()
     sim = Sim()
     ident = sim.producer_hello.identity
     consumer = Consumer(ProtocolConfig(), "digest")
-    consumer.expect("t1", PRODUCER, [1, 2], 0.0, engine=ident.engine_id, epoch="boot-before")
+    consumer.expect("t1", [Source(PRODUCER, "boot-before")], [1, 2], 0.0, engine=ident.engine_id)
     (failed,) = consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     assert failed.reason == "handshake_failed" and "restarted" in failed.detail
     assert "boot-before" in failed.detail and repr(ident.epoch) in failed.detail
     ok = Consumer(ProtocolConfig(), "digest")
-    ok.expect("t2", PRODUCER, [1, 2], 0.0, engine=ident.engine_id, epoch=ident.epoch)
+    ok.expect("t2", [Source(PRODUCER, ident.epoch)], [1, 2], 0.0, engine=ident.engine_id)
     assert [
         type(s.message).__name__
         for s in ok.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
@@ -853,7 +853,7 @@ def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():
     consumer.announce("t1", PRODUCER, 0.0)
     assert State.LANDING not in TRANSITIONS[State.ANNOUNCED]
     with pytest.raises(ProtocolError, match="cannot go from announced to landing"):
-        TRANSITIONS.move(consumer._transfers["t1"], State.LANDING)
+        TRANSITIONS.move(consumer._transfers[("t1", PRODUCER)], State.LANDING)
 
 
 def test_the_producer_refuses_to_end_a_transfer_while_its_write_is_in_flight():
@@ -865,7 +865,7 @@ def test_the_producer_refuses_to_end_a_transfer_while_its_write_is_in_flight():
     sim.ready("t1")
     assert sim.producer.state_of("t1") == producer_machine.State.WRITING
     with pytest.raises(ProtocolError, match="producer: transfer 't1' cannot go from writing"):
-        sim.producer.abandon("t1", "write_failed", "staging failed", sim.now)
+        sim.producer.abandon("t1", "decode0", "write_failed", "staging failed", sim.now)
 
 
 def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
@@ -877,7 +877,7 @@ def test_a_failed_that_says_a_write_may_land_before_any_register_just_fails():
     consumer.on_ready(PRODUCER, sim.producer_hello, sim.producer_layout, 0.1)
     consumer.on_message(PRODUCER, Failed("t1", "aborted", may_land=True), 0.2)
     assert consumer.state_of("t1") is None
-    consumer.expect("t1", PRODUCER, [1, 2], 0.3)  # a new claim, not "already expected"
+    consumer.expect("t1", [Source(PRODUCER)], [1, 2], 0.3)  # a new claim, not "already expected"
     assert consumer.state_of("t1") == State.REGISTERED
 
 
