@@ -97,10 +97,12 @@ class Cluster:
         policy: str = "fail",
         model: Path | None = None,
         dp: int = 1,
+        tp: int = 1,
         **extra: Any,
     ) -> VllmServer:
         """Configure (not start) a server; role None means a plain vLLM without kvpush.
-        `dp` > 1: that many data-parallel ranks, rank d's identity at identity port + d."""
+        `dp` > 1: that many data-parallel ranks, rank d's identity at identity port + d.
+        `tp` > 1: tensor parallel, one core a rank (cores 0, 1, ...)."""
         transfer = None
         if role is not None:
             self.identity_ports[name] = free_port(span=dp)
@@ -114,6 +116,9 @@ class Cluster:
             spec.extra_args += ["--data-parallel-size", str(dp)]
             if core is not None:  # vLLM wants one CPU list per DP rank, "|" between
                 spec.core = "|".join([str(core)] * dp)
+        if tp > 1:  # one CPU list per TP rank
+            spec.extra_args += ["--tensor-parallel-size", str(tp)]
+            spec.core = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
         server = self.servers[name] = VllmServer(spec, self.workdir)
         return server
 

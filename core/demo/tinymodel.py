@@ -31,6 +31,36 @@ SHAPE = {
 # heads x 32 x 4 bytes = 16 KiB) is large next to its compute. For moving KV, not
 # for quality: what `kvpush bench handoff` measures.
 KV_HEAVY = {**SHAPE, "num_attention_heads": 32, "num_key_value_heads": 32}
+# Other architectures, as tiny: what the shape tests run (tests/e2e/test_vllm_shapes.py).
+# Each is (transformers config class, its settings over SHAPE's).
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {
+        "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "norm_topk_prob": True,
+    }),
+    # MLA. Every layer dense (else vLLM wants e_score_correction_bias); the CPU MLA
+    # backend takes a latent of 512 plus a rope part of 64 only.
+    "deepseek_v3": ("DeepseekV3Config", {
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+    }),
+    # Sliding-window layers between full ones: two KV cache groups under vLLM's HMA.
+    "gemma3_text": ("Gemma3TextConfig", {
+        "num_hidden_layers": 4, "sliding_window": 256,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }),
+    # Gated DeltaNet (linear attention) layers and a full-attention one.
+    "qwen3_next": ("Qwen3NextConfig", {
+        "num_hidden_layers": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+        "num_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    }),
+}  # fmt: skip
 STAMP = "kvpush-tiny-model.json"
 
 
@@ -71,19 +101,25 @@ def build_tiny_model(
     init_std: float = 0.08,
     shape: dict[str, int] | None = None,
     positions: int = 4096,
+    architecture: str = "llama",
 ) -> Path:
-    """Write the model and tokenizer into `path` (reused if already built the same way)."""
+    """Write the model and tokenizer into `path` (reused if already built the same way).
+    `architecture`: one of ARCHITECTURES."""
     path = Path(path)
-    shape = shape or SHAPE
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}")
+    shape = {**(shape or SHAPE), **ARCHITECTURES[architecture][1]}
     recipe = {"seed": seed, "init_std": init_std, "vocab": VOCAB, **shape}
     if positions != 4096:
         recipe["positions"] = positions  # (so the default model's stamp is unchanged)
+    if architecture != "llama":
+        recipe["architecture"] = architecture
     stamp = path / STAMP
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(path, seed, positions)
-    _build_weights(path, tokenizer, seed, init_std, shape, positions)
+    _build_weights(path, tokenizer, seed, init_std, shape, positions, architecture)
     stamp.write_text(json.dumps(recipe))
     return path
 
@@ -115,12 +151,19 @@ def _build_tokenizer(path: Path, seed: int, positions: int):
 
 
 def _build_weights(
-    path: Path, tokenizer, seed: int, init_std: float, shape: dict[str, int], positions: int
+    path: Path,
+    tokenizer,
+    seed: int,
+    init_std: float,
+    shape: dict[str, object],
+    positions: int,
+    architecture: str,
 ) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(
+    config_class = getattr(transformers, ARCHITECTURES[architecture][0])
+    config = config_class(
         vocab_size=VOCAB,
         max_position_embeddings=positions,
         tie_word_embeddings=False,
@@ -131,7 +174,7 @@ def _build_weights(
         **shape,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, weight in sorted(model.named_parameters()):

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvpush.vllm.compat import warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
 from kvpush.vllm.frames import find_caller
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
@@ -79,6 +80,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_known_defects(vllm_config)
             cache = vllm_config.cache_config
             self._scheduler = SchedulerSide(
                 config,
@@ -102,6 +104,7 @@ class KVPushConnector(KVConnectorBase_V1):
             )
             from vllm.platforms import current_platform
 
+            model = vllm_config.model_config
             self._worker = WorkerSide(
                 config,
                 engine_id,
@@ -111,6 +114,8 @@ class KVPushConnector(KVConnectorBase_V1):
                 device_type=current_platform.device_type,
                 local_rank=get_world_group().local_rank,
                 dp_rank=dp_rank,
+                # MLA's latent is one "head" every rank holds whole.
+                kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
             )
 
     # -- scheduler side ----------------------------------------------------------------

@@ -134,3 +134,16 @@ def test_layout_digest_changes_with_addresses():
     b = _layout([second], ("blocks", "kv", "x"))
     assert a.digest() == _layout([first], ("blocks", "kv", "x")).digest()
     assert a.digest() != b.digest()
+
+
+def test_different_block_sizes_are_refused_naming_both():
+    small = _layout(
+        [np.zeros((NB, H, 64, 2 * D), np.float32)], ("blocks", "heads", "tokens", "kvdim")
+    )
+    large = _layout(
+        [np.zeros((NB, H, 128, 2 * D), np.float32)], ("blocks", "heads", "tokens", "kvdim")
+    )
+    for a, b in ((small, large), (large, small)):
+        with pytest.raises(RegionError, match="KV layouts differ in tokens_per_block") as refused:
+            pairing_split(a, b)
+        assert "64" in str(refused.value) and "128" in str(refused.value)

@@ -119,3 +119,30 @@ def test_only_producers_that_push_by_layer_ask_for_piecewise_cuda_graphs(
             return KVPushConnector.requires_piecewise_for_cudagraph(extra)
 
     assert VllmConfigLike().ask() is piecewise
+
+
+@pytest.mark.parametrize(
+    ("platform", "mla", "ops", "version", "warned"),
+    [
+        ("cpu", True, ["all"], "0.32.0", True),
+        ("cpu", True, ["all", "-rotary_embedding"], "0.32.0", False),
+        ("cpu", True, ["none"], "0.32.0", False),
+        ("cpu", False, ["all"], "0.32.0", False),
+        ("cuda", True, ["all"], "0.32.0", False),
+        ("cpu", True, ["all"], "0.33.0", False),
+    ],
+)
+def test_mla_on_the_cpu_build_names_the_rotary_defect_and_the_flag(
+    platform, mla, ops, version, warned
+):
+    from types import SimpleNamespace
+
+    from kvpush.vllm.compat import mla_cpu_rope_warning
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=mla),
+        compilation_config=SimpleNamespace(custom_ops=ops),
+    )
+    warning = mla_cpu_rope_warning(config, platform, version)
+    assert bool(warning) == warned
+    assert not warning or "-rotary_embedding" in warning
