@@ -137,8 +137,9 @@ class Links:
             return
         unpaired = sum(not link.ready for link in self._links.values())
         if unpaired >= MAX_UNPAIRED:
-            sock.close()
+            # Counted before the close, so whoever sees the close sees the count.
             self.metrics.inc("rejected_links", why="too_many_unpaired")
+            sock.close()
             if outgoing:
                 self._unreachable(peer, f"{unpaired} links are mid-handshake already")
             return

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from conftest import DECODE_TIMERS, Client, extra_pair, prompt
+
+from kvpush.kv_params import decode_params
+from kvpush.router.legs import new_transfer_id, prefill_leg
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,24 +67,61 @@ def test_shared_prefixes_hit_both_prefix_caches_and_still_answer_right(
         assert client.metric(url, "vllm:prefix_cache_hits_total") > 0, name
 
 
-def test_early_chunks_cross_before_the_last_chunk_runs(cluster, chunked_pair, client):
-    """The negative control is in the same run: a prompt that fits one step has no
-    earlier chunk, so nothing may be noted as sent before its last step."""
-    short, long = (
-        _traced(
-            client,
-            cluster,
-            "chunked_prefill",
-            lambda n=n: client.tokens(chunked_pair, prompt(n, 5200 + n)),
+def _decode_leg_first(cluster, client: Client, tokens: list[int], head_start: float) -> None:
+    """Both legs of one request sent by hand, decode's first: prefill gets the prompt
+    only once decode has allocated its blocks, and `head_start` seconds later, so the
+    grant is waiting before the first chunk ends however fast this machine computes."""
+    identity = client.http.get(cluster.identity_url("chunked_prefill") + "/query").json()
+    transfer_id = new_transfer_id()
+    decode_identity = cluster.identity_url("chunked_decode")
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            client.complete,
+            cluster.servers["chunked_decode"].url,
+            tokens,
+            2,
+            kv_transfer_params=decode_params(transfer_id, identity),
         )
-        for n in (90, 1200)
+        deadline = time.monotonic() + 60
+        while not client.state(decode_identity)["receiving"]:
+            assert time.monotonic() < deadline, "decode never allocated the request's blocks"
+            assert not answer.done(), answer.result().text
+            time.sleep(0.02)
+        time.sleep(head_start)
+        leg = prefill_leg({}, transfer_id)["kv_transfer_params"]
+        first = client.complete(
+            cluster.servers["chunked_prefill"].url, tokens, 1, kv_transfer_params=leg
+        )
+        assert first.status_code == 200, first.text
+        assert answer.result().status_code == 200, answer.result().text
+
+
+def test_early_chunks_cross_before_the_last_chunk_runs(cluster, chunked_pair, client):
+    """A prompt of many steps whose grant is waiting when prefill starts: an earlier
+    chunk's WRITE has completed before prefill schedules the step computing the last
+    token, so those bytes were in decode's memory by then. The grant's head start
+    grows until that holds once (a slow machine may take a while to send it); the
+    prompt is nearly the model's whole context, so the steps after the first chunk
+    outlast one WRITE on a fast machine too.
+
+    The negative control is in the same run: a prompt that fits one step has no
+    earlier chunk, so nothing may be noted as sent before its last step."""
+    (one_step,) = _traced(
+        client, cluster, "chunked_prefill", lambda: client.tokens(chunked_pair, prompt(90, 5290))
     )
-    ((one_step,), (many,)) = short, long
     assert "last_step" in one_step["marks"] and "chunk_sent" not in one_step["marks"]
-    marks = many["marks"]
-    # Prefill learnt that an earlier chunk's WRITE had completed before it scheduled
-    # the step computing the last token: those bytes were in decode's memory by then.
-    assert marks["chunk_sent"] < marks["last_step"], marks
+    seen = []
+    for attempt, head_start in enumerate((0.2, 1.0, 3.0)):
+        tokens = prompt(1900, 5300 + attempt)
+        send = lambda tokens=tokens, wait=head_start: _decode_leg_first(  # noqa: E731
+            cluster, client, tokens, wait
+        )
+        (many,) = _traced(client, cluster, "chunked_prefill", send)
+        marks = many["marks"]
+        seen.append(marks)
+        if marks.get("chunk_sent", float("inf")) < marks["last_step"]:
+            return
+    raise AssertionError(f"no earlier chunk crossed before the last step: {seen}")
 
 
 def test_decode_holds_the_kv_only_once_every_block_landed(cluster, chunked_pair, client):
