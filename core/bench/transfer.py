@@ -1,10 +1,17 @@
 """`kvpush bench transfer`: raw NIXL WRITE bandwidth between two processes.
 
-Two OS processes each hold a KV-shaped buffer (layers x blocks, K and V per block)
-and register it with NIXL. The sender WRITEs a scattered half of the blocks into the
-receiver's matching blocks, with a notification, and times it. In the same run the
-sender times a one-process memcpy of the same number of bytes after each WRITE: the
-practical limit on this machine, and the baseline every ratio is against.
+Two OS processes each hold a KV-shaped buffer (layers x blocks; per block K and V,
+each KV heads x tokens x dim, a GPU's HND layout) and register it with NIXL. The
+sender WRITEs a scattered half of the blocks into the receiver's matching blocks,
+with a notification, and times it. In the same run the sender times a one-process
+memcpy of the same number of bytes after each WRITE: the practical limit on this
+machine, and the baseline every ratio is against.
+
+Each size is measured twice: at equal tensor parallelism (TP 1 -> TP 1, whole
+blocks) and mixed (TP 2 -> TP 1: prefill rank 0's block fills the first half of
+the KV heads of decode's, K and V apart, by the descriptors kvpush's layout plan
+makes). Both move the same bytes from sender blocks of the same size; the mixed
+row's `vs equal` is its NIXL rate over the equal row's.
 
 The receiver runs kvpush's loop exactly as the connector does, so its idle CPU
 (measured while connected and nothing is sent) is the idle cost of a real peer.
@@ -23,7 +30,7 @@ import msgspec
 import numpy as np
 
 from kvpush.bench.report import Report
-from kvpush.layout import BlockTable, KVLayout
+from kvpush.layout import BlockTable, KVLayout, Shard, plan
 from kvpush.plugins import get_backends
 from kvpush.transport.agent import AgentConfig, NixlAgent
 from kvpush.transport.channel import Connection, Listener, connect
@@ -32,13 +39,18 @@ from kvpush.transport.loop import Loop
 MiB = 1 << 20
 LAYERS = 4
 SIZES_MIB = (1, 16, 256)
+HEADS, TOKENS = 8, 16  # the model's KV heads; tokens per block
+DIMS = ("blocks", "kv", "heads", "tokens", "dim")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A KV-shaped buffer: `layers` layers of `pool` blocks, `block_bytes` each (K+V)."""
+    """A KV-shaped buffer: `layers` layers of `pool` blocks. The sender's blocks are
+    `block_bytes` (K+V) and hold the heads its TP rank holds; the receiver, at TP 1,
+    holds every head."""
 
     total_bytes: int
+    sender_tp: int = 1
     layers: int = LAYERS
 
     @property
@@ -54,10 +66,13 @@ class Shape:
     def pool(self) -> int:
         return 2 * self.selected
 
-    def array(self, fill: int) -> np.ndarray:
-        # (layers, blocks, 2, bytes-per-half): the block-major KV layout.
-        shape = (self.layers, self.pool, 2, self.block_bytes // 2)
-        return np.full(shape, fill, dtype=np.uint8)
+    @property
+    def sender_heads(self) -> int:
+        return HEADS // self.sender_tp
+
+    def array(self, fill: int, heads: int) -> np.ndarray:
+        dim = self.block_bytes // (2 * self.sender_heads * TOKENS)
+        return np.full((self.layers, self.pool, 2, heads, TOKENS, dim), fill, dtype=np.uint8)
 
     def picked_blocks(self, seed: int) -> np.ndarray:
         return np.sort(np.random.default_rng(seed).permutation(self.pool)[: self.selected])
@@ -66,6 +81,7 @@ class Shape:
 @dataclass
 class SizeResult:
     size_mib: float
+    tp: str  # "1->1" or "2->1"
     block_kib: float
     blocks_per_transfer: int
     descriptors: int
@@ -78,24 +94,24 @@ class SizeResult:
     first_transfer_ms: float
     receiver_idle_cpu_pct: float
     verified: bool
+    vs_equal: float | None = None  # mixed rows: NIXL rate over the equal-TP row's
 
 
-def _describe(buf: np.ndarray) -> KVLayout:
+def _describe(buf: np.ndarray, shard: Shard) -> KVLayout:
     tensors = {f"layer.{i}": buf[i] for i in range(buf.shape[0])}
-    return get_backends(["host"]).describe(tensors, ("blocks", "kv", "bytes")).layout
+    layout = get_backends(["host"]).describe(tensors, DIMS).layout
+    return msgspec.structs.replace(layout, shard=shard)
 
 
 class _Side:
     """One process's half: a loop thread owning the agent, and its side channel."""
 
-    def __init__(self, name: str, buf: np.ndarray) -> None:
+    def __init__(self, name: str, buf: np.ndarray, shard: Shard) -> None:
         self.buf = buf
-        self.layout = _describe(buf)
-        self.table = BlockTable(self.layout, split=False)
+        self.layout = _describe(buf, shard)
         self.loop = Loop(f"bench-{name}")
         self.agent: NixlAgent = self.loop.start(lambda: NixlAgent(name, AgentConfig()))
         self.loop.call(self.agent.register, self.layout.regions)
-        self.local = self.loop.call(self.agent.prepare, self.table.rows, self.layout.mem_type)
         self.inbox: list[dict[str, Any]] = []
         self.conn: Connection | None = None
 
@@ -140,9 +156,8 @@ class _NotifWaiter:
         return bool(batch)
 
 
-def _receiver_main(total_bytes: int, port_queue: Any, idle_seconds: float) -> None:
-    shape = Shape(total_bytes)
-    side = _Side("bench-receiver", shape.array(0))
+def _receiver_main(shape: Shape, port_queue: Any, idle_seconds: float) -> None:
+    side = _Side("bench-receiver", shape.array(0, HEADS), Shard(0, 1, HEADS))
     listener = side.loop.call(lambda: Listener(side.loop, "127.0.0.1", 0, side.attach))
     port_queue.put(listener.port)
     waiter = _NotifWaiter(side.agent)
@@ -172,9 +187,13 @@ def _receiver_main(total_bytes: int, port_queue: Any, idle_seconds: float) -> No
 
 
 def _verify(buf: np.ndarray, shape: Shape, blocks: list[int]) -> bool:
-    written = np.zeros(shape.pool, dtype=bool)
-    written[blocks] = True
-    return bool((buf[:, written] == 0xAB).all() and (buf[:, ~written] == 0).all())
+    """The picked blocks hold the sender's bytes in the sender's heads, and nothing
+    else was touched."""
+    written = np.zeros(buf.shape, dtype=bool)
+    picked = np.zeros(shape.pool, dtype=bool)
+    picked[blocks] = True
+    written[:, picked, :, : shape.sender_heads] = True
+    return bool((buf[written] == 0xAB).all() and (buf[~written] == 0).all())
 
 
 class _Memcpy:
@@ -191,28 +210,31 @@ class _Memcpy:
         return time.perf_counter() - t0
 
 
-def _sender_main(total_bytes: int, port: int, runs: int, idle_seconds: float, out: Any) -> None:
-    shape = Shape(total_bytes)
-    side = _Side("bench-sender", shape.array(0xAB))
+def _sender_main(shape: Shape, port: int, runs: int, idle_seconds: float, out: Any) -> None:
+    shard = Shard(0, shape.sender_tp, HEADS)
+    side = _Side("bench-sender", shape.array(0xAB, shape.sender_heads), shard)
     sock = connect("127.0.0.1", port, timeout=10)
     side.loop.call(side.attach, sock)
     side.send(kind="hello", metadata=side.loop.call(side.agent.metadata))
     hello = side.receive()
     peer = side.loop.call(side.agent.add_peer, hello["metadata"])
     remote_layout = msgspec.convert(hello["layout"], KVLayout)
-    remote_table = BlockTable(remote_layout, split=False)
+    mine, theirs = plan(side.layout, remote_layout)
+    local_table = BlockTable(side.layout, layout_units=mine)
+    remote_table = BlockTable(remote_layout, layout_units=theirs)
+    local = side.loop.call(side.agent.prepare, local_table.rows, side.layout.mem_type)
     remote = side.loop.call(side.agent.prepare, remote_table.rows, remote_layout.mem_type, peer)
 
-    blocks = shape.picked_blocks(seed=total_bytes)
-    local_ids, remote_ids = side.table.ids(blocks), remote_table.ids(blocks)
-    nbytes = len(local_ids) * shape.block_bytes
+    blocks = shape.picked_blocks(seed=shape.total_bytes)
+    local_ids, remote_ids = local_table.ids(blocks), remote_table.ids(blocks)
+    nbytes = len(blocks) * shape.layers * shape.block_bytes
 
     def one_write(tag: int) -> tuple[float, float, float]:
         # The sender waits in a tight loop: this measures the wire, not kvpush's poller.
         agent = side.agent
         t0 = time.perf_counter()
         transfer = agent.make_transfer(
-            "WRITE", side.local, local_ids, remote, remote_ids, b"bench-%d" % tag, nbytes
+            "WRITE", local, local_ids, remote, remote_ids, b"bench-%d" % tag, nbytes
         )
         t1 = time.perf_counter()
         finished = agent.start(transfer)
@@ -243,6 +265,7 @@ def _sender_main(total_bytes: int, port: int, runs: int, idle_seconds: float, ou
     out.put(
         SizeResult(
             size_mib=nbytes / MiB,
+            tp=f"{shape.sender_tp}->1",
             block_kib=shape.block_bytes / 1024,
             blocks_per_transfer=len(blocks),
             descriptors=len(local_ids),
@@ -260,17 +283,15 @@ def _sender_main(total_bytes: int, port: int, runs: int, idle_seconds: float, ou
     side.loop.stop()
 
 
-def run_size(total_bytes: int, runs: int, idle_seconds: float) -> SizeResult:
-    """Measure one size with a fresh pair of processes."""
+def run_size(shape: Shape, runs: int, idle_seconds: float) -> SizeResult:
+    """Measure one shape with a fresh pair of processes."""
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
-    receiver = ctx.Process(target=_receiver_main, args=(total_bytes, ports, idle_seconds))
+    receiver = ctx.Process(target=_receiver_main, args=(shape, ports, idle_seconds))
     receiver.start()
     try:
         port = ports.get(timeout=120)
-        sender = ctx.Process(
-            target=_sender_main, args=(total_bytes, port, runs, idle_seconds, results)
-        )
+        sender = ctx.Process(target=_sender_main, args=(shape, port, runs, idle_seconds, results))
         sender.start()
         try:
             result = results.get(timeout=300 + idle_seconds)
@@ -288,22 +309,29 @@ def run_size(total_bytes: int, runs: int, idle_seconds: float) -> SizeResult:
 def main(sizes_mib: tuple[float, ...], runs: int, idle_seconds: float, as_json: bool) -> int:
     report = Report(as_json)
     for i, size in enumerate(sizes_mib):
-        report.step(f"[{i + 1}/{len(sizes_mib)}] {size:g} MiB")
-        report.add(run_size(int(size * MiB), runs, idle_seconds))
+        report.step(f"[{i + 1}/{len(sizes_mib)}] {size:g} MiB, TP 1->1 then 2->1")
+        equal = run_size(Shape(int(size * MiB)), runs, idle_seconds)
+        report.add(equal)
+        mixed = run_size(Shape(int(size * MiB), sender_tp=2), runs, idle_seconds)
+        mixed.vs_equal = round(mixed.nixl_gbps / equal.nixl_gbps, 3)
+        report.add(mixed)
     results = report.finish(_print_table)
     return 0 if all(r.verified for r in results) else 1
 
 
 def _print_table(results: list[SizeResult]) -> None:
     head = (
-        f"{'size':>8} {'block':>9} {'descs':>6} {'NIXL GB/s':>10} {'memcpy GB/s':>12} "
-        f"{'ratio':>6} {'prep us':>8} {'post us':>9} {'first ms':>9} {'rx idle CPU':>12} ok"
+        f"{'size':>8} {'TP':>5} {'block':>9} {'descs':>6} {'NIXL GB/s':>10} {'memcpy GB/s':>12} "
+        f"{'ratio':>6} {'vs equal':>9} {'prep us':>8} {'post us':>9} {'first ms':>9} "
+        f"{'rx idle CPU':>12} ok"
     )
     print(head)
     for r in results:
+        vs_equal = "" if r.vs_equal is None else f"{r.vs_equal:.2f}"
         print(
-            f"{r.size_mib:>6g}Mi {r.block_kib:>7g}Ki {r.descriptors:>6} {r.nixl_gbps:>10.2f} "
-            f"{r.memcpy_gbps:>12.2f} {r.ratio:>6.2f} {r.prepare_us:>8.1f} {r.post_us:>9.1f} "
-            f"{r.first_transfer_ms:>9.2f} {r.receiver_idle_cpu_pct:>11.2f}% {r.verified}"
+            f"{r.size_mib:>6g}Mi {r.tp:>5} {r.block_kib:>7g}Ki {r.descriptors:>6} "
+            f"{r.nixl_gbps:>10.2f} {r.memcpy_gbps:>12.2f} {r.ratio:>6.2f} {vs_equal:>9} "
+            f"{r.prepare_us:>8.1f} {r.post_us:>9.1f} {r.first_transfer_ms:>9.2f} "
+            f"{r.receiver_idle_cpu_pct:>11.2f}% {r.verified}"
         )
     print(f"(pid {os.getpid()}; medians of {results[0].runs if results else 0} runs per size)")

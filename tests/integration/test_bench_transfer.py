@@ -37,7 +37,15 @@ def test_bench_transfer_json_reports_each_size():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [row["size_mib"] for row in rows] == [1, 4]
+    # Each size at equal TP, then mixed (a TP 2 rank's blocks into TP 1's), same bytes.
+    assert [(row["size_mib"], row["tp"]) for row in rows] == [
+        (1, "1->1"), (1, "2->1"), (4, "1->1"), (4, "2->1")
+    ]  # fmt: skip
+    for equal, mixed in (rows[0:2], rows[2:4]):
+        assert equal["vs_equal"] is None
+        assert mixed["vs_equal"] == pytest.approx(mixed["nixl_gbps"] / equal["nixl_gbps"], rel=0.01)
+        # Heads split K and V apart in the receiver's blocks: twice the descriptors.
+        assert mixed["descriptors"] == 2 * equal["descriptors"]
     for row in rows:
         assert row["verified"] is True
         assert 16 <= row["block_kib"] <= 2048
