@@ -363,7 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prefill vLLM server; bootstrap= is its kvpush identity_port (repeatable)",
     )
     router.add_argument(
-        "--decode", action="append", required=True, metavar="URL", help="a decode vLLM server"
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL[,bootstrap=PORT]",
+        help="a decode vLLM server; bootstrap= is its kvpush identity_port, so the router "
+        "can refuse a pair that cannot exchange KV before sending it requests (repeatable)",
     )
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--host", default="127.0.0.1")

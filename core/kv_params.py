@@ -26,6 +26,7 @@ def decode_params(transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
         "remote_epoch": identity["epoch"],
         "remote_addresses": list(identity["addresses"]),
         "tp_size": identity["tp_size"],
+        "remote_block_size": int(identity.get("block_size", 0)),
         "remote_dp_rank": identity.get("dp_rank", 0),
         "remote_data_parallel": bool(identity.get("data_parallel", False)),
     }
@@ -37,12 +38,15 @@ def prefill_echo(
     block_ids: Sequence[int],
     request_id: str,
     num_tokens: int,
+    engine_transfer_id: str = "",
 ) -> dict[str, Any]:
     """What a prefill instance answers in kv_transfer_params: the decode leg's params,
     plus upstream NixlConnector's fields. `remote_host`/`remote_port` name this
     instance's identity endpoint (as upstream's name the endpoint serving every
     rank's handshake): a decode handed only those finds the rest there.
-    `request_id` is the id a router that matches legs by X-Request-Id knows it by."""
+    `request_id` is the id a router that matches legs by X-Request-Id knows it by;
+    `engine_transfer_id` the transfer this answer's KV is held under (a retried leg's
+    is not the first attempt's: kvpush.vllm.transfers)."""
     host, _, port = str(identity["endpoint"]).rpartition(":")
     return {
         **decode_params(transfer_id, identity),
@@ -53,6 +57,7 @@ def prefill_echo(
         "pp_size": 1,
         "dcp_size": 1,
         "remote_num_tokens": int(num_tokens),
+        "remote_transfer_id": engine_transfer_id,
     }
 
 
@@ -66,6 +71,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> dict[str, Any] | None
             "transfer_mode": params["transfer_mode"],
             "addresses": list(params["remote_addresses"]),
             "tp_size": params["tp_size"],
+            "block_size": int(params.get("remote_block_size", 0)),
             "dp_rank": int(params.get("remote_dp_rank", 0)),
             "data_parallel": bool(params.get("remote_data_parallel", False)),
         }

@@ -95,6 +95,19 @@ def tp_problem(src_world: int, dst_world: int, heads: int) -> str | None:
     return None
 
 
+def block_size_problem(src_tokens: int, dst_tokens: int) -> str | None:
+    """Why a producer of `src_tokens` tokens per block cannot fill a consumer's blocks
+    of `dst_tokens`, or None. A block's bytes are one whole unit of the transfer, so
+    the sizes must be equal: the same --block-size on both instances."""
+    if src_tokens != dst_tokens:
+        return (
+            f"block sizes differ: prefill holds {src_tokens} tokens per block, decode "
+            f"{dst_tokens}; kvpush pairs equal block sizes only (start both with the same "
+            "--block-size)"
+        )
+    return None
+
+
 def sources(dst: Shard, src_world: int) -> list[tuple[int, int]]:
     """The producer ranks consumer rank `dst` takes KV heads from, each with the number
     of consumer ranks that producer rank fills (a claim's `parts`)."""
@@ -270,6 +283,9 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
     difference when no byte-for-byte mapping exists.
     """
     a, b = src.shard, dst.shard
+    problem = block_size_problem(src.tokens_per_block, dst.tokens_per_block)
+    if problem:
+        raise RegionError(problem)
     if a.heads != b.heads:
         raise RegionError(
             f"KV layouts differ in KV heads: the producer's model has {a.heads}, the "
@@ -283,12 +299,10 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
     problem = tp_problem(a.world, b.world, a.heads)
     if problem:
         raise RegionError(problem)
-    for field in ("tokens_per_block", "dtype"):
-        if getattr(src, field) != getattr(dst, field):
-            raise RegionError(
-                f"KV layouts differ in {field}: producer {getattr(src, field)!r}, "
-                f"consumer {getattr(dst, field)!r}"
-            )
+    if src.dtype != dst.dtype:
+        raise RegionError(
+            f"KV layouts differ in dtype: producer {src.dtype!r}, consumer {dst.dtype!r}"
+        )
     src_units, dst_units = _head_units(src), _head_units(dst)
     if _per_head(src.inner) != _per_head(dst.inner):
         raise RegionError(

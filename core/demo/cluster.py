@@ -134,8 +134,8 @@ class Cluster:
         self.servers[name].stop()
         self.start(name, timeout=timeout)
 
-    def prefill_spec(self, name: str) -> str:
-        """How the router is told about a prefill server: URL plus identity port."""
+    def router_spec(self, name: str) -> str:
+        """How the router is told about a server: URL plus identity port."""
         server = self.servers[name]
         port = self.identity_ports.get(name)
         return f"{server.url},bootstrap={port}" if port else server.url
@@ -156,14 +156,9 @@ class Cluster:
         port = free_port()
         command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
                    "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
-        for server in prefill:
-            spec = server if server.startswith("http") else self.prefill_spec(server)
-            command += ["--prefill", spec]
-        for server in decode:
-            command += [
-                "--decode",
-                server if server.startswith("http") else self.servers[server].url,
-            ]
+        for flag, servers in (("--prefill", prefill), ("--decode", decode)):
+            for server in servers:
+                command += [flag, server if server.startswith("http") else self.router_spec(server)]
         return self.start_router_command(name, command, port, ready_path="/metrics")
 
     def start_router_command(

@@ -91,6 +91,9 @@ class DataPath:
         self.routes: dict[str, Route] = {}  # link peer -> how to reach its memory
         self._notifiers: dict[str, str] = {}  # NIXL agent name -> link peer (outgoing)
         self._local_tables: dict[tuple[Unit, ...], tuple[BlockTable, PreparedList]] = {}
+        # NIXL agent name -> what gone links prepared for it, released (and the NIXL
+        # peer dropped, if no link uses it) once no transfer moves bytes with it.
+        self._retiring: dict[str, list[PreparedList]] = {}
         self._fences: dict[str, dict[int, Any]] = {}  # transfer -> layers ready -> fence
         self._expected: dict[str, tuple[list[int], float]] = {}
         self.writes: list[_InFlight] = []
@@ -126,14 +129,24 @@ class DataPath:
             self._notifiers[agent_peer] = peer
 
     def unpair(self, peer: str) -> None:
-        """The link to `peer` is gone; drop its NIXL peer once nothing uses it."""
+        """The link to `peer` is gone: release its descriptor table, and its NIXL
+        peer, once nothing uses them."""
         route = self.routes.pop(peer, None)
         if route is None:
             return
-        shared = any(r.agent_peer == route.agent_peer for r in self.routes.values())
-        busy = any(f.transfer.peer == route.agent_peer for f in [*self.writes, *self.reads])
-        if not shared and not busy:
-            self._forget_agent(route.agent_peer)
+        self._retiring.setdefault(route.agent_peer, []).append(route.prepared)
+        self._retire(route.agent_peer)
+
+    def _retire(self, agent_peer: str) -> None:
+        if any(f.transfer.peer == agent_peer for f in [*self.writes, *self.reads]):
+            return  # a transfer still uses its table: again when that one settles
+        for prepared in self._retiring.pop(agent_peer, ()):
+            try:
+                self.agent.release_list(prepared)
+            except Exception as exc:
+                log.debug("kvpush: releasing a gone peer's descriptor list: %s", exc)
+        if not any(r.agent_peer == agent_peer for r in self.routes.values()):
+            self._forget_agent(agent_peer)
 
     def _forget_agent(self, agent_peer: str) -> None:
         self._notifiers.pop(agent_peer, None)
@@ -290,7 +303,10 @@ class DataPath:
     def progress(self) -> list[Settled]:
         """Every finished, failed or overdue transfer, settled."""
         now = self.clock()
-        return self._check(self.writes, now) + self._check(self.reads, now)
+        settled = self._check(self.writes, now) + self._check(self.reads, now)
+        for agent_peer in list(self._retiring):
+            self._retire(agent_peer)
+        return settled
 
     def notifs(self) -> list[tuple[str, bytes]]:
         """NIXL notifications since the last call, as (link peer, message); those from
@@ -317,7 +333,10 @@ class DataPath:
         return self._succeeded(flight, self.clock())
 
     def _succeeded(self, flight: _InFlight, now: float) -> list[Settled]:
-        self.agent.release(flight.transfer)
+        try:
+            self.agent.release(flight.transfer)
+        except Exception as exc:  # the bytes moved; a handle NIXL keeps must not undo that
+            log.warning("kvpush: releasing a finished %s: %s", flight.transfer.op, exc)
         self.metrics.observe("transfer_seconds", now - flight.posted)
         self.metrics.inc("bytes_moved", flight.transfer.nbytes, op=flight.transfer.op)
         return _settled(flight, True)
@@ -330,6 +349,12 @@ class DataPath:
             except TransportError as exc:
                 table.remove(flight)
                 settled += _settled(flight, False, str(exc))
+                continue
+            except Exception as exc:  # a bug below us: the transfer's state is unknown
+                table.remove(flight)
+                log.error("kvpush: checking a %s: %s", flight.transfer.op, exc, exc_info=True)
+                self._abandon(flight.transfer)
+                settled += _settled(flight, False, f"checking it failed: {exc}", may_land=True)
                 continue
             if done:
                 table.remove(flight)
@@ -344,7 +369,7 @@ class DataPath:
         # Releasing an unfinished transfer asks NIXL to abort it.
         try:
             self.agent.release(transfer)
-        except TransportError as exc:
+        except Exception as exc:
             log.warning("kvpush: aborting a stuck %s: %s", transfer.op, exc)
 
     def counts(self) -> dict[str, int]:

@@ -136,7 +136,19 @@ class Interpreter:
                         )
                     )
         if writes:
-            self.settle(self.data.post_writes(writes))
+            self.settle(self._post_writes(writes))
+
+    def _post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
+        try:
+            return self.data.post_writes(writes)
+        except Exception as exc:  # a bug below us: none of these may stay WRITING
+            log.error("kvpush: posting %d WRITEs failed: %s", len(writes), exc, exc_info=True)
+            detail = f"posting the WRITE failed: {exc}"
+            # Some may have been posted before it raised: their bytes may still land.
+            return [
+                Settled("WRITE", w.transfer_id, w.peer, False, detail, may_land=True)
+                for w in writes
+            ]
 
     def settle(self, settled: list[Settled]) -> None:
         """Hand each ended transfer back to its machine; run the follow-ups together."""
@@ -181,7 +193,15 @@ class Interpreter:
             self.metrics.inc(action.name, **action.labels)
 
     def _delivered(self, action: act.Delivered) -> None:
-        nbytes = self.data.landed(action.transfer_id)
+        try:
+            nbytes = self.data.landed(action.transfer_id)
+        except Exception as exc:  # the staging copy onto the device failed
+            # The consumer machine has let the transfer go already: only this report
+            # tells the engine, whose request would otherwise wait for it forever.
+            log.error("kvpush: staging %s onto the device failed: %s", action.transfer_id, exc)
+            self.metrics.inc("transfers_failed", reason="stage_failed")
+            self.report("failed", action.transfer_id, "stage_failed", f"staging failed: {exc}")
+            return
         self.metrics.inc("transfers_delivered")
         if action.kv_ready_wall:
             lag = max(0.0, self.wall() - action.kv_ready_wall)

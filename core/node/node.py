@@ -111,6 +111,8 @@ class Node:
         self.data: DataPath | None = None
         self.links: Links | None = None
         self.interpreter: Interpreter | None = None
+        # Transfers per machine state, as of the last thing the node did (see _reschedule).
+        self.state_counts: dict[str, dict[str, int]] = {"producer": {}, "consumer": {}}
         self.listener: Listener | None = None
         self._timer: TimerHandle | None = None
         self._timer_at: float | None = None
@@ -427,8 +429,11 @@ class Node:
 
     def _run(self, actions: list[act.Action]) -> None:
         assert self.interpreter is not None
-        self.interpreter.run(actions)
-        self._reschedule()
+        try:
+            self.interpreter.run(actions)
+        finally:
+            # Whatever raised, the timers that end stuck transfers keep running.
+            self._reschedule()
 
     def pending(self) -> bool:
         # Also while a peer may be moving bytes into or out of our memory: some transports
@@ -453,6 +458,12 @@ class Node:
         return bool(settled or notifs)
 
     def _reschedule(self) -> None:
+        """After anything ran: re-arm the timers, and note the machines' state counts."""
+        # Read from other threads (the engine's), swapped whole: no lock needed.
+        self.state_counts = {
+            "producer": self.producer.counts(),
+            "consumer": self.consumer.counts(),
+        }
         deadlines = [d for d in (self.producer.next_deadline(), self.consumer.next_deadline()) if d]
         due = min(deadlines) if deadlines else None
         if due == self._timer_at:

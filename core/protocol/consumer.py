@@ -15,6 +15,7 @@ write into its blocks.
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass
 
@@ -664,6 +665,10 @@ class Consumer:
             self._deadlines.cancel((kind, key))
 
     # -- inspection ------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """How many transfer parts are in each state (states with none left out)."""
+        return dict(collections.Counter(str(t.state) for t in self._transfers.values()))
 
     def waiting(self) -> list[str]:
         """Transfers with blocks that have not ended yet."""

@@ -24,6 +24,7 @@ no claim the consumers announced is still to come.
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -876,6 +877,10 @@ class Producer:
     def tracks(self, transfer_id: str) -> bool:
         """Whether the transfer is live here (its KV may still be read for a WRITE)."""
         return transfer_id in self._families
+
+    def counts(self) -> dict[str, int]:
+        """How many transfers are in each state (states with none left out)."""
+        return dict(collections.Counter(str(t.state) for t in self._transfers.values()))
 
     def holding(self) -> list[str]:
         """Transfers whose KV blocks the producer still holds."""

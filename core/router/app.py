@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kvpush.kv_params import identity_from_decode_params
 from kvpush.metrics import Metrics
-from kvpush.router.instances import Instance, Pool
+from kvpush.router.instances import Instance, Pool, pairing_problem
 from kvpush.router.legs import (
     decode_leg,
     new_transfer_id,
@@ -150,12 +150,13 @@ class Router:
             timeout=timeout,
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.config.keepalive_s),
         )
-        for instance in self.prefill.instances:
-            if instance.identity_url:
-                try:
-                    await self._learn_identity(instance)
-                except LegError as exc:
-                    log.warning("kvpush router: %s", exc.message)
+        for instance in self.prefill.instances + self.decode.instances:
+            await self._try_learning(instance)
+        for prefill in self.prefill.instances:
+            for decode in self.decode.instances:
+                problem = self._pair_problem(prefill, decode)
+                if problem:
+                    log.error("kvpush router: %s", problem)
 
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.ensure_future(self._check_health_forever())
@@ -213,7 +214,14 @@ class Router:
         failed: Instance | None = None
         for attempt in range(2):
             prefill = self.prefill.pick(avoid=failed if failed in self.prefill.instances else None)
-            decode = self.decode.pick(avoid=failed if failed in self.decode.instances else None)
+            for instance in self.decode.instances:
+                if not instance.ranks:
+                    await self._try_learning(instance)
+            decode = self.decode.pick(
+                avoid=failed if failed in self.decode.instances else None,
+                fits=lambda d, p=prefill: self._pair_problem(p, d) is None,
+            )
+            self._refuse_unpairable(prefill, decode)
             prefill.outstanding += 1
             decode.outstanding += 1
             try:
@@ -307,6 +315,7 @@ class Router:
                 await self._learn_identity(prefill)
             except LegError as exc:
                 log.warning("kvpush router: %s", exc.message)
+            self._refuse_unpairable(prefill, decode)
         if self.config.mode == "pull" or not prefill.ranks:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
             trace.mark("prefill_sent")
@@ -321,6 +330,7 @@ class Router:
                     "it running KVPushConnector? (an upstream NixlConnector cannot pair)",
                 )
             prefill.learn(echo)
+            self._refuse_unpairable(prefill, decode)
             leg = decode_leg(body, transfer_id, echo)
             return await self._relay(request, decode, endpoint, leg, headers)
         return await self._both_at_once(
@@ -414,7 +424,8 @@ class Router:
                     text = (await response.read()).decode(errors="replace")
                     self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
                     message = _upstream_message(decode, text)
-                    raise LegError(response.status, message, instance=decode)
+                    failure = LegError(response.status, message, instance=decode)
+                    raise await self._kvpush_reason(decode, leg, failure)
                 if not leg.get("stream"):
                     payload = await response.read()
                     if not _whole_json(payload):
@@ -441,7 +452,7 @@ class Router:
                     word = None
                 if word and "error" in word:
                     self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                    raise _error_event(decode, word)
+                    raise await self._kvpush_reason(decode, leg, _error_event(decode, word))
                 trace.mark("first_byte")
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
@@ -478,6 +489,54 @@ class Router:
 
     # -- helpers ----------------------------------------------------------------------
 
+    async def _try_learning(self, instance: Instance) -> None:
+        """Learn an instance's identity if it names an endpoint; one that does not
+        answer yet is asked again when a request needs it."""
+        if instance.identity_url:
+            try:
+                await self._learn_identity(instance)
+            except LegError as exc:
+                log.warning("kvpush router: %s", exc.message)
+
+    async def _kvpush_reason(
+        self, decode: Instance, leg: dict[str, Any], failure: LegError
+    ) -> LegError:
+        """A decode leg that failed on the server side: if kvpush failed it (its KV
+        could not be loaded), the decode instance's trace says why, and the client is
+        told that rather than vLLM's bare "Internal server error"."""
+        transfer_id = (leg.get("kv_transfer_params") or {}).get("transfer_id")
+        if failure.status < 500 or not decode.identity_url or not transfer_id:
+            return failure
+        url = decode.identity_url.removesuffix("/query") + "/kvpush/trace?last=512"
+        try:
+            async with self._http().get(url, timeout=aiohttp.ClientTimeout(total=5)) as answer:
+                traces = await answer.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return failure
+        reasons = [
+            t["error"] for t in traces if t.get("transfer_id") == transfer_id and t.get("error")
+        ]
+        if not reasons:
+            return failure
+        self.metrics.inc("kv_load_failures")
+        message = f"decode instance {decode.url} could not load the prompt's KV: {reasons[-1]}"
+        return LegError(failure.status, message, "kv_transfer_error", instance=decode)
+
+    def _pair_problem(self, prefill: Instance, decode: Instance) -> str | None:
+        mine, theirs = prefill.any_identity(), decode.any_identity()
+        if mine is None or theirs is None:
+            return None  # the handshake is left to check
+        problem = pairing_problem(mine, theirs)
+        return problem and f"prefill {prefill.url} and decode {decode.url} cannot pair: {problem}"
+
+    def _refuse_unpairable(self, prefill: Instance, decode: Instance) -> None:
+        """A pair whose KV cannot cross is refused before either does any work, with
+        the reason: the client can act on it, a 500 from the handshake it cannot."""
+        problem = self._pair_problem(prefill, decode)
+        if problem:
+            self.metrics.inc("pairing_refusals")
+            raise LegError(502, problem, "pairing_error")
+
     async def _learn_identity(self, instance: Instance) -> None:
         """Ask the prefill instance's identity endpoint who it is. With data parallel
         DP rank d answers at the endpoint's port + d (engine `<base>_dp<d>`): learn
@@ -497,7 +556,7 @@ class Router:
         except (aiohttp.ClientError, ValueError) as exc:
             raise LegError(
                 502,
-                f"prefill instance {instance.url} has no kvpush identity at {url} ({exc}): "
+                f"{instance.role} instance {instance.url} has no kvpush identity at {url} ({exc}): "
                 "is it running KVPushConnector with identity_port set?",
             ) from exc
         if not answer.get("kvpush"):

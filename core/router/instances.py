@@ -9,11 +9,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpush.errors import ConfigError
+from kvpush.layout import block_size_problem, tp_problem
 
 
 @dataclass
 class Instance:
-    """One vLLM server. Prefill instances carry their kvpush identity once learned."""
+    """One vLLM server, with its kvpush identity once learned (a prefill's, to name it
+    in decode legs; either's, to check a pair before sending it a request)."""
 
     url: str
     role: str  # "prefill" | "decode"
@@ -41,12 +43,17 @@ class Instance:
         identity = self.ranks[rank]
         return (rank if identity.get("data_parallel") else None), identity
 
+    def any_identity(self) -> dict[str, Any] | None:
+        """Its identity as far as pairing goes (every DP rank shares its shape)."""
+        return next(iter(self.ranks.values()), None)
+
     def available(self, now: float) -> bool:
         return now >= self.ejected_until
 
     @classmethod
     def parse(cls, spec: str, role: str) -> Instance:
-        """ "http://host:8100" or "http://host:8100,bootstrap=8998" (identity endpoint port)."""
+        """ "http://host:8100" or "http://host:8100,bootstrap=8998" (its identity
+        endpoint's port, on the same host)."""
         url, *options = (part.strip() for part in spec.split(","))
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -59,8 +66,6 @@ class Instance:
                     f"unknown option {option!r} in {spec!r}; the only option is bootstrap=PORT"
                 )
             identity_url = f"http://{parts.hostname}:{value}/query"
-        if identity_url and role != "prefill":
-            raise ConfigError(f"bootstrap= belongs to prefill instances, not {spec!r}")
         return cls(url.rstrip("/"), role, identity_url)
 
 
@@ -74,9 +79,12 @@ class Pool:
         self.instances = instances
         self._turn = itertools.count()
 
-    def pick(self, avoid: Instance | None = None) -> Instance:
+    def pick(self, avoid: Instance | None = None, fits: Any = None) -> Instance:
+        """`fits(instance)`: whether it may take this request; instances that do not
+        are picked only when none does (and the caller then refuses the request)."""
         now = time.monotonic()
-        others = [i for i in self.instances if i is not avoid] or self.instances
+        suited = [i for i in self.instances if fits is None or fits(i)] or self.instances
+        others = [i for i in suited if i is not avoid] or suited
         candidates = [i for i in others if i.available(now)] or others
         least = min(i.outstanding for i in candidates)
         tied = [i for i in candidates if i.outstanding == least]
@@ -84,3 +92,20 @@ class Pool:
 
     def has_other(self, instance: Instance) -> bool:
         return any(i is not instance for i in self.instances)
+
+
+def pairing_problem(prefill: dict[str, Any], decode: dict[str, Any]) -> str | None:
+    """Why a prefill and a decode instance (their identities) cannot exchange KV, or
+    None: the rules the two workers' handshake would apply, checked before a request
+    is sent to fail there."""
+    if prefill["transfer_mode"] != decode["transfer_mode"]:
+        return (
+            f"transfer modes differ: prefill {prefill['transfer_mode']}, decode "
+            f"{decode['transfer_mode']}"
+        )
+    prefill_block, decode_block = prefill.get("block_size", 0), decode.get("block_size", 0)
+    if prefill_block and decode_block:
+        problem = block_size_problem(prefill_block, decode_block)
+        if problem:
+            return problem
+    return tp_problem(int(prefill["tp_size"]), int(decode["tp_size"]), 0)

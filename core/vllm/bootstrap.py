@@ -188,9 +188,20 @@ def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any
 
 
 def fetch_query(address: str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
-    """A bootstrap server's GET /query answer (at most MAX_ANSWER bytes of it)."""
+    """A bootstrap server's GET /query answer (at most MAX_ANSWER bytes of it), read
+    within about `timeout` seconds in all: the socket's timeout bounds each read
+    only, and a server trickling a byte at a time would otherwise hold a query
+    thread for as long as it liked."""
+    deadline = time.monotonic() + timeout
     with urllib.request.urlopen(address.rstrip("/") + "/query", timeout=timeout) as response:
-        body = response.read(MAX_ANSWER + 1)
+        body = b""
+        while len(body) <= MAX_ANSWER:
+            chunk = response.read1(MAX_ANSWER + 1 - len(body))
+            if not chunk:
+                break
+            body += chunk
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"/query took longer than {timeout:g}s to answer")
     if len(body) > MAX_ANSWER:
         raise ValueError(f"/query answered more than {MAX_ANSWER} bytes")
     answer = json.loads(body)

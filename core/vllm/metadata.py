@@ -110,10 +110,16 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     landed: dict[str, float] = field(default_factory=dict)
     kv_ready: dict[str, float] = field(default_factory=dict)
     chunk_sent: dict[str, float] = field(default_factory=dict)
+    # Decode: request id -> why its KV load failed (the first rank's reason to say so).
+    failed: dict[str, str] = field(default_factory=dict)
+    # Rank -> its transfers per machine state ("producer.held": 2, ...), when changed.
+    states: dict[int, dict[str, int]] = field(default_factory=dict)
 
     NOTES = ("landed", "kv_ready", "chunk_sent")  # each a spans milestone of that name
 
     def is_empty(self) -> bool:
+        if self.failed or self.states:
+            return False
         return not any(getattr(self, name) for name in self.NOTES)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
@@ -124,4 +130,6 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
             into = getattr(merged, name)
             for request_id in mine.keys() | theirs.keys():
                 into[request_id] = max(mine.get(request_id, 0.0), theirs.get(request_id, 0.0))
+        merged.failed = {**getattr(other, "failed", {}), **self.failed}
+        merged.states = {**getattr(other, "states", {}), **self.states}
         return merged

@@ -121,6 +121,7 @@ class SchedulerSide:
         # Decode requests whose KV load failed, kept past their end (a sibling may
         # arrive after): the last few thousand.
         self._failed_loads: OrderedDict[str, None] = OrderedDict()
+        self._rank_states: dict[int, dict[str, int]] = {}  # worker rank -> its state counts
         self._local_hits: dict[str, int] = {}
         self._learnt_from: dict[str, str] = {}  # decode request id -> bootstrap address
         self._rejected: dict[str, str] = {}
@@ -150,7 +151,9 @@ class SchedulerSide:
         if self.identity_server is None:
             routes = {
                 "/query": lambda _: self.identity(),
-                "/kvpush/state": lambda _: self.state(),
+                "/kvpush/state": lambda q: (
+                    self.state_detail() if q.get("detail") == "1" else self.state()
+                ),
                 "/kvpush/spans": lambda q: self.spans.summary(reset=q.get("reset") == "1"),
                 "/kvpush/trace": lambda q: self.spans.trace(int(q.get("last", 100))),
             }
@@ -171,6 +174,7 @@ class SchedulerSide:
             "epoch": self.epoch,
             "transfer_mode": self.config.protocol.mode,
             "tp_size": self.world,
+            "block_size": self.block_size,
             "dp_rank": self.dp_rank,
             "data_parallel": self.data_parallel,
             "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
@@ -196,6 +200,15 @@ class SchedulerSide:
             "producing": len(self._producing),
             "receiving": len(self._consuming),
         }
+
+    def state_detail(self) -> dict[str, Any]:
+        """state(), and the workers' transfers per machine state (summed over ranks,
+        as of their last step): which path holds KV when a leak check fails."""
+        by_state: dict[str, int] = {}
+        for counts in list(self._rank_states.values()):
+            for state, count in counts.items():
+                by_state[state] = by_state.get(state, 0) + count
+        return {**self.state(), "by_state": dict(sorted(by_state.items()))}
 
     def close(self) -> None:
         for server in (self.identity_server, self.bootstrap_server):
@@ -347,6 +360,9 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        for request_id, why in (getattr(worker_meta, "failed", None) or {}).items():
+            self.spans.fail(request_id, why)
+        self._rank_states.update(getattr(worker_meta, "states", None) or {})
         for milestone in KVPushWorkerMeta.NOTES:
             for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
                 self.spans.mark(request_id, milestone, wall)
@@ -446,11 +462,15 @@ class SchedulerSide:
         if found is not None:
             reason, problem = found
             self._rejected[request_id] = problem
+            self.spans.begin(request_id, "decode", str(params.get("transfer_id", "")))
+            self.spans.fail(request_id, f"{reason}: {problem}")
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
             if self.recompute_on_failure:
                 self._recomputed(reason)
             return
-        tid, leader = self._ids.assign(request, params["transfer_id"])
+        tid, leader = self._ids.assign(
+            request, params["transfer_id"], params.get("remote_transfer_id")
+        )
         if leader is not None:
             # A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
             # once; this one reads it from the prefix cache. Should prefill have made a
@@ -478,6 +498,7 @@ class SchedulerSide:
             f"its sibling {leader} (same prompt, n > 1 or a repeated list prompt) failed "
             "to load the prompt's KV, and kv_load_failure_policy is fail"
         )
+        self.spans.fail(follower, f"sibling_failed: {self._rejected[follower]}")
 
     def _learn_producer(self, request_id: str, params: dict[str, Any]) -> bool:
         """Complete a leg that names its producer only by an endpoint: a Mooncake-mode
@@ -545,7 +566,9 @@ class SchedulerSide:
         base = producing.base_id
         # The id a router matching legs by X-Request-Id knows the request by.
         known_as = base.removeprefix(api_kind(base)) if producing.named_here else base
-        return True, prefill_echo(base, self.identity(), block_ids, known_as, producing.prompt_len)
+        return True, prefill_echo(
+            base, self.identity(), block_ids, known_as, producing.prompt_len, producing.transfer_id
+        )
 
     def _decline(self, tid: str, params: dict[str, Any]) -> None:
         """Tell the producer nobody here claims `tid`: it frees any KV made for it."""

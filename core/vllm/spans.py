@@ -18,6 +18,7 @@ non-negative, and the phases add up to its time on this instance.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container
@@ -63,6 +64,7 @@ class _Timeline:
     role: str
     transfer_id: str
     marks: dict[str, float] = field(default_factory=dict)
+    error: str = ""  # why kvpush failed the request, for whoever asks its trace
 
     def spans(self) -> dict[str, float]:
         """Phases between consecutive milestones (see _between)."""
@@ -87,16 +89,23 @@ class _Timeline:
         return all(m in self.marks for m in MILESTONES[self.role])
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        answer = {
             "role": self.role,
             "transfer_id": self.transfer_id,
             "marks": dict(self.marks),
             "spans_ms": {k: round(v * 1e3, 3) for k, v in self.spans().items()},
         }
+        if self.error:
+            answer["error"] = self.error
+        return answer
 
 
 class Spans:
+    """Marked by the engine's thread, read by the identity endpoint's: every method
+    holds the lock."""
+
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.RLock()
         self._clock = clock
         self._open: dict[str, _Timeline] = {}
         self._landed: set[str] = set()  # decode requests landed, not yet scheduled
@@ -104,11 +113,29 @@ class Spans:
         self._samples: dict[str, deque[float]] = {}
 
     def begin(self, request_id: str, role: str, transfer_id: str) -> None:
-        if request_id not in self._open:
-            self._open[request_id] = _Timeline(role, transfer_id, {"arrived": self._clock()})
+        with self._lock:
+            if request_id not in self._open:
+                self._open[request_id] = _Timeline(role, transfer_id, {"arrived": self._clock()})
+
+    def fail(self, request_id: str, why: str) -> None:
+        """kvpush failed the request: its trace says why (the first reason given). vLLM
+        may have finished it already (its record closed): that record says so."""
+        with self._lock:
+            timeline = self._open.get(request_id)
+            if timeline is not None:
+                timeline.error = timeline.error or why
+                return
+            for record in reversed(self._recent):
+                if record["request_id"] == request_id:
+                    record.setdefault("error", why)
+                    return
 
     def mark(self, request_id: str, milestone: str, at: float | None = None) -> None:
         """Record a milestone once (the first time it is seen counts)."""
+        with self._lock:
+            self._mark(request_id, milestone, at)
+
+    def _mark(self, request_id: str, milestone: str, at: float | None) -> None:
         timeline = self._open.get(request_id)
         if timeline is None or milestone in timeline.marks:
             return
@@ -125,13 +152,15 @@ class Spans:
     def scheduled(self, request_ids: Container[str]) -> None:
         """A step was scheduled: landed requests among `request_ids` reached theirs.
         Looks only at landed requests, not every open one: it runs every step."""
-        for request_id in [r for r in self._landed if r in request_ids]:
-            self.mark(request_id, "scheduled")
+        with self._lock:
+            for request_id in [r for r in self._landed if r in request_ids]:
+                self._mark(request_id, "scheduled", None)
 
     def drop(self, request_id: str) -> None:
         """The request ended off the path (aborted, recomputed): keep what it got to."""
-        if request_id in self._open:
-            self._close(request_id)
+        with self._lock:
+            if request_id in self._open:
+                self._close(request_id)
 
     def _close(self, request_id: str) -> None:
         timeline = self._open.pop(request_id)
@@ -145,11 +174,16 @@ class Spans:
 
     def trace(self, last: int = 100) -> list[dict[str, Any]]:
         """The last `last` finished requests' milestones and spans, oldest first."""
-        return list(self._recent)[-last:]
+        with self._lock:
+            return list(self._recent)[-last:]
 
     def summary(self, reset: bool = False) -> dict[str, dict[str, float]]:
         """Per phase (and hand-off part) over recent complete requests: count, mean,
         p50, p99 (ms); with `reset`, start counting afresh (a benchmark's next cell)."""
+        with self._lock:
+            return self._summary(reset)
+
+    def _summary(self, reset: bool) -> dict[str, dict[str, float]]:
         out = {}
         for key, samples in sorted(self._samples.items()):
             out[key] = {

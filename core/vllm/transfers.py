@@ -11,6 +11,11 @@ engine requests of one client request arrive. So the engine transfer id is
 
 where k counts earlier engine requests of the same client request with the same
 prompt: 0 for the only one, 1.. for siblings (`n > 1`, or a prompt listed twice).
+
+An orchestrator that retries a prefill leg under the same request id makes prefill
+count the retry as one more sibling (k = 1), while its decode leg, a single
+request, would count 0. So prefill's echo names the engine transfer id it used
+(`remote_transfer_id`), and a decode leg carrying the echo takes k from it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ _MEMORY = 16384
 
 
 def prompt_digest(token_ids: Sequence[int], extra: Sequence[str] = ()) -> str:
-    """A short digest of what determines a prompt's KV: its tokens and media."""
+    """A short digest of what determines a prompt's KV: its tokens, media and LoRA
+    adapter (`extra`)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(array("q", token_ids).tobytes())
     for item in extra:
@@ -55,19 +61,23 @@ class EngineTransfers:
         self._counts: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._of: dict[str, tuple[str, str | None]] = {}
 
-    def assign(self, request: Any, base: str) -> tuple[str, str | None]:
+    def assign(self, request: Any, base: str, named: Any = None) -> tuple[str, str | None]:
         """(engine transfer id, request id of its sibling 0 or None) for `request`;
-        the same however often it is asked."""
+        the same however often it is asked. `named`: the engine transfer id a
+        prefill echo names (a decode leg's `remote_transfer_id`); the first request
+        of this prompt takes its k when it is this prompt's."""
         known = self._of.get(request.request_id)
         if known is not None:
             return known
-        digest = prompt_digest(request.prompt_token_ids or (), _media(request))
+        digest = prompt_digest(request.prompt_token_ids or (), _digested(request))
         key = (base, digest)
         seen = self._counts.setdefault(key, [])
         self._counts.move_to_end(key)
         while len(self._counts) > self._memory:
             self._counts.popitem(last=False)
         occurrence = len(seen)
+        if not seen:
+            occurrence = _named_occurrence(named, engine_transfer_id(base, digest, 0))
         leader = seen[0] if seen else None
         seen.append(request.request_id)
         assigned = (engine_transfer_id(base, digest, occurrence), leader)
@@ -105,8 +115,21 @@ def api_request_id(engine_request_id: str) -> str:
     return rid
 
 
-def _media(request: Any) -> list[str]:
-    """Identifiers of a multimodal prompt's inputs: placeholder tokens alone do not
-    tell two images apart."""
+def _named_occurrence(named: Any, first: str) -> int:
+    """k of `named` when it is the same transfer as `first` (k = 0) but for k; else 0."""
+    stem = first.removesuffix("0")
+    if isinstance(named, str) and named.startswith(stem) and named[len(stem) :].isdigit():
+        return min(int(named[len(stem) :]), 1 << 20)
+    return 0
+
+
+def _digested(request: Any) -> list[str]:
+    """What besides its tokens decides a prompt's KV: a multimodal prompt's inputs
+    (placeholder tokens alone do not tell two images apart) and the LoRA adapter
+    (two adapters compute different KV from the same tokens)."""
     features = getattr(request, "mm_features", None) or ()
-    return [str(getattr(f, "identifier", "")) for f in features]
+    extra = [str(getattr(f, "identifier", "")) for f in features]
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extra.append(f"lora:{getattr(lora, 'lora_name', '')}")  # ids differ by server
+    return extra

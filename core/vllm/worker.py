@@ -109,6 +109,7 @@ class WorkerSide:
         self._ringer = Ringer()  # wakes a scheduler waiting for an outcome
         self._parking = Parking(None)
         self._noted = KVPushWorkerMeta()  # for the scheduler's spans, until the next step
+        self._states_told: dict[str, int] = {}  # the state counts last sent the scheduler
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -271,9 +272,18 @@ class WorkerSide:
                 tid, request_id, outcome.reason, outcome.detail,
             )  # fmt: skip
             self._recv_failed.add(request_id)
+            self._noted.failed.setdefault(request_id, f"{outcome.reason}: {outcome.detail}")
             self._stats.data["failed"] += 1
 
     def worker_meta(self) -> KVPushWorkerMeta | None:
+        if self.node is not None:
+            states = {
+                f"{machine}.{state}": count
+                for machine, counts in self.node.state_counts.items()
+                for state, count in counts.items()
+            }
+            if states != self._states_told:
+                self._noted.states[self.rank] = self._states_told = states
         if self._noted.is_empty():
             return None
         noted, self._noted = self._noted, KVPushWorkerMeta()

@@ -127,12 +127,16 @@ class Client:
         return self.http.get(identity_url + "/kvpush/state").json()
 
     def wait_drained(self, identity_url: str, seconds: float = 30.0) -> dict:
-        """Poll /kvpush/state until nothing is in flight (or give up and return it)."""
+        """Poll /kvpush/state until nothing is in flight; if that never comes, the
+        state with its per-machine-state counts, so a failed check says which path
+        held the KV."""
         deadline = time.monotonic() + seconds
         state = self.state(identity_url)
         while any(state.values()) and time.monotonic() < deadline:
             time.sleep(0.5)
             state = self.state(identity_url)
+        if any(state.values()):
+            return self.http.get(identity_url + "/kvpush/state?detail=1").json()
         return state
 
 

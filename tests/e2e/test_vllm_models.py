@@ -12,6 +12,7 @@ import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
 
 from kvpush.demo.tinymodel import build_tiny_model
+from kvpush.errors import KVPushError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -76,3 +77,21 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
     for server in ("prefill", "decode"):
         state = client.wait_drained(cluster.identity_url(f"{name}_{server}"))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (server, state)
+
+
+def test_a_hybrid_linear_attention_model_is_refused_at_start_naming_why(cluster):
+    """Qwen3-Next's GDN layers keep recurrent state that is not KV, and need vLLM's
+    hybrid KV cache manager, which vLLM turns off for a connector without
+    SupportsHMA (kvpush's): the instance must not start, and its log must say why.
+    vLLM decides this before any connector code runs, so the words are vLLM's."""
+    path = build_tiny_model(cluster.workdir / "model-gdn", architecture="qwen3_next")
+    cluster.add_server("gdn_prefill", "kv_producer", core=0, model=path, **PREFILL_TIMERS)
+    server = cluster.servers["gdn_prefill"]
+    try:
+        with pytest.raises(KVPushError, match="exited"):
+            cluster.start("gdn_prefill", timeout=300)
+        log = server.log_path.read_text(errors="replace")
+        assert "hybrid SSM models (e.g. Jamba, Bamba) require HMA" in log
+        assert "Failed to promote local KV cache specs" in log
+    finally:
+        cluster.servers.pop("gdn_prefill").stop()

@@ -102,6 +102,11 @@ def test_fail_policy_turns_a_lost_transfer_into_an_error(cluster, pull_pair, cli
     )
     assert response.status_code >= 500
     assert client.wait_drained(cluster.identity_url("pull_decode"))["receiving"] == 0
+    # vLLM says only "Internal server error"; decode's trace keeps kvpush's reason,
+    # which a router that knows decode's identity endpoint hands the client.
+    traces = client.http.get(cluster.identity_url("pull_decode") + "/kvpush/trace").json()
+    named = [t for t in traces if t["transfer_id"] == "xfer-never-prefilled"]
+    assert any("watchdog_expired" in t.get("error", "") for t in named), named
 
 
 def test_push_prefill_and_pull_decode_refuse_to_pair(cluster, pull_pair, client):
@@ -110,3 +115,22 @@ def test_push_prefill_and_pull_decode_refuse_to_pair(cluster, pull_pair, client)
     response = client.complete(decode.url, prompt(30), kv_transfer_params=params)
     assert response.status_code >= 500
     assert "transfer mode mismatch: the prefill instance is in push mode" in decode.log_tail(400)
+
+
+def test_a_router_refuses_a_push_prefill_with_a_pull_decode_before_either_works(
+    cluster, pull_pair, client
+):
+    """Both identities known (the router is given each identity port): the pair is
+    refused with both sides' modes, and neither instance is sent the request."""
+    decode = cluster.servers["pull_decode"].url
+    before = client.metric(decode, "vllm:request_success_total")
+    url = cluster.start_router(["prefill"], ["pull_decode"], mode="push", name="mismatched")
+    try:
+        response = client.complete(url, prompt(30, 77))
+        assert response.status_code == 502, response.text
+        error = response.json()["error"]
+        assert error["type"] == "pairing_error"
+        assert "transfer modes differ: prefill push, decode pull" in error["message"]
+    finally:
+        cluster.stop_router("mismatched")
+    assert client.metric(decode, "vllm:request_success_total") == before

@@ -1,5 +1,6 @@
 """Tensor parallelism on real vLLM (CPU build, one core a rank): prefill TP 2 to decode
-TP 2, and the mixed shapes TP 1 to TP 2 and TP 2 to TP 1, behind `kvpush router`.
+TP 2 (push and pull), and the mixed shapes TP 1 to TP 2 and TP 2 to TP 1, behind
+`kvpush router`.
 Each decode rank takes exactly its KV heads from the prefill rank that holds them;
 answers equal a plain instance's, every prompt token's KV arrives by transfer, and
 nothing is held afterwards."""
@@ -14,27 +15,51 @@ from conftest import PREFILL_TIMERS, Client, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-SHAPES = {  # name: (prefill server, decode server)
-    "tp2-to-tp2": ("tp2_prefill", "tp2_decode"),
-    "tp1-to-tp2": ("prefill", "tp2_decode"),
-    "tp2-to-tp1": ("tp2_prefill", "decode"),
+SHAPES = {  # name: (transfer mode, prefill server, decode server)
+    "tp2-to-tp2": ("push", "tp2_prefill", "tp2_decode"),
+    "tp1-to-tp2": ("push", "prefill", "tp2_decode"),
+    "tp2-to-tp1": ("push", "tp2_prefill", "decode"),
+    "tp2-to-tp2-pull": ("pull", "tp2_prefill", "tp2_decode"),
 }
 EXTERNAL = 'source="external_kv_transfer"'
+TP2 = ("tp2_prefill", "tp2_decode")
+
+
+class _TP2Pair:
+    """A prefill and a decode instance at TP 2, beside the session's TP 1 pair, in one
+    transfer mode at a time: two TP 2 pairs would not fit this machine's cores."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster, self.mode = cluster, ""
+
+    def running(self, mode: str) -> None:
+        if mode == self.mode:
+            return
+        self.stop()
+        self.cluster.add_server("tp2_prefill", "kv_producer", core=0, tp=2, mode=mode,
+                                **PREFILL_TIMERS)  # fmt: skip
+        # The default watchdog: a TP 2 engine's first forward pass on two busy cores
+        # takes many seconds (its kernels are built then), longer than DECODE_TIMERS'.
+        self.cluster.add_server("tp2_decode", "kv_consumer", core=1, tp=2, mode=mode,
+                                **PREFILL_TIMERS)  # fmt: skip
+        self.mode = mode
+        self.cluster.start(*TP2)
+
+    def stop(self) -> None:
+        for name in TP2:
+            server = self.cluster.servers.pop(name, None)
+            if server is not None:
+                server.stop()
+        self.mode = ""
 
 
 @pytest.fixture(scope="module")
 def tp2(cluster):
-    """A prefill and a decode instance at TP 2 (push), beside the session's TP 1 pair."""
-    cluster.add_server("tp2_prefill", "kv_producer", core=0, tp=2, **PREFILL_TIMERS)
-    # The default watchdog: a TP 2 engine's first forward pass on two busy cores takes
-    # many seconds (its kernels are built then), longer than DECODE_TIMERS' 6 s.
-    cluster.add_server("tp2_decode", "kv_consumer", core=1, tp=2, **PREFILL_TIMERS)
+    pair = _TP2Pair(cluster)
     try:
-        cluster.start("tp2_prefill", "tp2_decode")
-        yield
+        yield pair
     finally:
-        for name in ("tp2_prefill", "tp2_decode"):
-            cluster.servers.pop(name).stop()
+        pair.stop()
 
 
 def _external(client: Client, url: str) -> float:
@@ -49,10 +74,11 @@ def _external(client: Client, url: str) -> float:
 def test_each_decode_rank_gets_its_heads_and_answers_equal_a_plain_instance(
     cluster, client, tp2, shape
 ):
-    prefill, decode = SHAPES[shape]
+    mode, prefill, decode = SHAPES[shape]
+    tp2.running(mode)
     identity = client.http.get(cluster.identity_url(prefill) + "/query").json()
     assert len(identity["addresses"]) == identity["tp_size"]  # every rank listed
-    router = cluster.start_router([prefill], [decode], name=f"tp-{shape}")
+    router = cluster.start_router([prefill], [decode], mode=mode, name=f"tp-{shape}")
     seed = 11000 + 100 * list(SHAPES).index(shape)
     lengths = (2, 127, 128, 129, 300, 700)
     prompts = [prompt(n, seed + i) for i, n in enumerate(lengths)]

@@ -41,6 +41,7 @@ class FakeAgent:
         self.removed: list[str] = []
         self.posts: list[tuple[Transfer, bytes]] = []
         self.released: list[int] = []
+        self.released_lists: list[str | None] = []  # the peer of each released table
         self.state: dict[int, object] = {}  # handle -> True (done), an exception, or stuck
         self.inbox: list[tuple[str, bytes]] = []
         self.refuse_posts = False
@@ -79,6 +80,9 @@ class FakeAgent:
 
     def release(self, transfer: Transfer) -> None:
         self.released.append(transfer.handle)
+
+    def release_list(self, prepared: PreparedList) -> None:
+        self.released_lists.append(prepared.peer)
 
     def notifs(self) -> list[tuple[str, bytes]]:
         batch, self.inbox = self.inbox, []
@@ -233,23 +237,29 @@ def test_landed_kv_is_staged_to_the_device_and_counted_from_our_layout(path):
     assert data.landed("t") == 0  # a second delivery stages nothing
 
 
-def test_a_nixl_peer_is_kept_while_a_transfer_to_it_is_in_flight(path):
+def test_a_nixl_peer_is_kept_while_a_transfer_to_it_is_in_flight_and_dropped_after(path):
     data, agent, _, _ = path
     data.post_writes([_write("a")])
     data.unpair("decode:1")
-    assert agent.removed == []
+    assert agent.removed == [] and agent.released_lists == []
     data.pair("decode:2", "other-agent", _layout(0xA00000), b"other-agent", notifies=False)
     data.unpair("decode:2")
-    assert agent.removed == ["other-agent"]
+    assert agent.removed == ["other-agent"] and agent.released_lists == ["other-agent"]
+    (transfer, _), *_ = agent.posts
+    agent.state[transfer.handle] = True  # the WRITE to the gone peer ends
+    assert [s.ok for s in data.progress()] == [True]
+    assert agent.removed == ["other-agent", "decode-agent"]
+    assert agent.released_lists == ["other-agent", "decode-agent"]
 
 
 def test_a_nixl_peer_shared_by_two_links_stays_until_both_are_gone(path):
     data, agent, _, _ = path
     data.pair("c7", "decode-agent", _layout(0x900000), b"decode-agent", notifies=False)
     data.unpair("decode:1")
-    assert agent.removed == []
+    assert agent.removed == [] and agent.released_lists == ["decode-agent"]
     data.unpair("c7")
     assert agent.removed == ["decode-agent"]
+    assert agent.released_lists == ["decode-agent", "decode-agent"]  # each link's table
 
 
 def test_a_peer_whose_table_cannot_be_prepared_is_dropped_from_nixl(path):

@@ -10,7 +10,7 @@ import pytest
 from kvpush.backend import layout_from_views
 from kvpush.errors import RegionError
 from kvpush.host_backend import host_view
-from kvpush.layout import BlockTable, KVLayout, pairing_split, units
+from kvpush.layout import BlockTable, KVLayout, pairing_split, plan, units
 from kvpush.regions import MemRegion, merge_regions
 
 NB, H, T, D = 6, 2, 4, 8
@@ -136,14 +136,18 @@ def test_layout_digest_changes_with_addresses():
     assert a.digest() != b.digest()
 
 
-def test_different_block_sizes_are_refused_naming_both():
+def test_different_block_sizes_are_refused_naming_both_and_the_rule():
     small = _layout(
         [np.zeros((NB, H, 64, 2 * D), np.float32)], ("blocks", "heads", "tokens", "kvdim")
     )
     large = _layout(
         [np.zeros((NB, H, 128, 2 * D), np.float32)], ("blocks", "heads", "tokens", "kvdim")
     )
-    for a, b in ((small, large), (large, small)):
-        with pytest.raises(RegionError, match="KV layouts differ in tokens_per_block") as refused:
+    for (a, b), (prefill, decode) in (((small, large), (64, 128)), ((large, small), (128, 64))):
+        with pytest.raises(RegionError, match="block sizes differ") as refused:
+            plan(a, b)
+        message = str(refused.value)
+        assert f"prefill holds {prefill} tokens per block, decode {decode}" in message
+        assert "--block-size" in message
+        with pytest.raises(RegionError, match="tokens_per_block"):
             pairing_split(a, b)
-        assert "64" in str(refused.value) and "128" in str(refused.value)

@@ -965,3 +965,55 @@ def test_a_stray_writing_message_is_counted_not_acted_on():
     sim._run_consumer(sim.c, sim.c.machine.on_message(PRODUCER, Writing("nobody"), sim.now))
     assert sim.counted[-1].labels == {"why": "unknown_transfer"}
     assert not sim.c.machine.awaiting_writes()
+
+
+def test_a_write_whose_posting_raises_ends_failed_and_frees_both_sides(monkeypatch):
+    """A bug below the interpreter (NIXL, a backend) raising while WRITEs are posted:
+    none may stay WRITING, which neither lease nor TTL would ever end."""
+    sim = Sim()
+    ports = sim.producer_interpreter.data
+
+    def broken(writes):
+        raise RuntimeError("agent.make_transfer blew up")
+
+    monkeypatch.setattr(ports, "post_writes", broken)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    assert sim.writes == {}  # nothing was posted
+    sim.settle()
+    assert sim.c.failed == {"t1": "write_failed"}
+    assert sim.released == {"t1": "write_failed"}
+    sim.check()
+
+
+def test_a_staging_copy_that_fails_at_delivery_fails_the_decode_request(monkeypatch):
+    """Staged backends copy the landed KV onto the device at delivery: if that copy
+    fails, the engine must hear of it, or its request waits forever."""
+    sim = Sim()
+
+    def broken(transfer_id):
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(sim.c.interpreter.data, "landed", broken)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.settle()
+    assert sim.c.failed == {"t1": "stage_failed"} and not sim.c.delivered
+    sim.check()
+
+
+def test_each_machine_counts_its_transfers_by_state():
+    """What /kvpush/state?detail=1 shows: which state holds a transfer."""
+    sim = Sim()
+    sim.pending("t1")
+    sim.ready("t2")
+    assert sim.producer.counts() == {"computing": 1, "held": 1}
+    sim.expect("t2")
+    assert sim.c.machine.counts() == {"registered": 1}
+    sim.deliver()
+    assert sim.producer.counts() == {"computing": 1, "writing": 1}
+    sim.abort_producer("t1")
+    sim.settle()
+    assert sim.producer.counts() == {} and sim.c.machine.counts() == {}

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from kvpush.demo.cluster import free_port
+from kvpush.kv_params import decode_params
 from kvpush.router.app import Router, RouterConfig
 from kvpush.router.instances import Instance
 
@@ -422,3 +423,173 @@ def test_a_stream_whose_decode_leg_fails_before_its_first_token_is_an_error_nami
         await _close(runner, [prefill, decode, other])
 
     run(scenario())
+
+
+def _identity(engine: str, block_size: int, tp_size: int = 1, mode: str = "push") -> dict:
+    return {"kvpush": True, "engine_id": engine, "epoch": "boot", "transfer_mode": mode,
+            "addresses": [f"127.0.0.1:{7000 + r}" for r in range(tp_size)],
+            "tp_size": tp_size, "block_size": block_size, "dp_rank": 0}  # fmt: skip
+
+
+async def _identity_endpoint(identity: dict, traces=None) -> tuple[web.AppRunner, str]:
+    """An instance's identity endpoint; `traces()`: what its /kvpush/trace answers."""
+    app = web.Application()
+    app.router.add_get("/query", _identity_handler(identity))
+
+    async def trace(request: web.Request) -> web.Response:
+        return web.json_response(traces() if traces else [])
+
+    app.router.add_get("/kvpush/trace", trace)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/query"
+
+
+async def _paired(
+    prefill: dict,
+    decodes: list[dict],
+    mode: str = "push",
+    requests: int = 4,
+    prefill_endpoint: bool = True,
+    decode_answer=decode_ok,
+    decode_traces=None,
+    stream: bool = False,
+):
+    """A router told every decode's identity endpoint (and prefill's, unless not
+    `prefill_endpoint`): what `requests` requests got, the fakes (prefill first) with
+    what each was sent, and the refusals counted. `decode_traces(fake)`: what a
+    decode's /kvpush/trace answers."""
+
+    async def prefill_answer(request: web.Request, body: dict) -> web.Response:
+        tid = body["kv_transfer_params"]["transfer_id"]
+        params = {**decode_params(tid, prefill), "remote_host": "127.0.0.1", "remote_port": 1}
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+    fakes = [Fake(prefill_answer), *(Fake(decode_answer) for _ in decodes)]
+    endpoints = [await _identity_endpoint(prefill)] + [
+        await _identity_endpoint(i, decode_traces and (lambda f=fake: decode_traces(f)))
+        for i, fake in zip(decodes, fakes[1:], strict=True)
+    ]
+    for fake in fakes:
+        await fake.start()
+    instances = [
+        Instance(fake.url, role, url)
+        for fake, (_, url), role in zip(
+            fakes, endpoints, ["prefill"] + ["decode"] * len(decodes), strict=True
+        )
+    ]
+    if not prefill_endpoint:
+        instances[0].identity_url = None
+    router = Router(RouterConfig(instances[:1], instances[1:], mode=mode, health_interval_s=0))
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(requests):
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": stream}
+            async with http.post(url + "/v1/completions", json=body) as response:
+                answers.append((response.status, await response.json()))
+    await asyncio.sleep(0.05)
+    refusals = router.metrics.counter("pairing_refusals")
+    await _close(runner, fakes)
+    for endpoint_runner, _ in endpoints:
+        await endpoint_runner.cleanup()
+    return answers, fakes, refusals
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_requests_go_only_to_a_decode_whose_blocks_and_ranks_pair_with_prefill(mode):
+    prefill = _identity("prefill", 128, tp_size=2, mode=mode)
+    decodes = [
+        _identity("small-blocks", 64, tp_size=2, mode=mode),
+        _identity("tp3", 128, tp_size=3, mode=mode),
+        _identity("fits", 128, tp_size=1, mode=mode),
+    ]
+    answers, (_, small, tp3, fits), refusals = run(_paired(prefill, decodes, mode))
+    assert [status for status, _ in answers] == [200] * 4
+    assert (len(small.bodies), len(tp3.bodies), len(fits.bodies)) == (0, 0, 4)
+    assert refusals == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(
+    ("decode", "named"),
+    [
+        (
+            _identity("d", 64),
+            ["block sizes differ", "prefill holds 128 tokens per block, decode 64", "--block-size"],
+        ),
+        (_identity("d", 128, tp_size=3), ["tensor-parallel sizes 2 (prefill) and 3 (decode)"]),
+    ],
+    ids=["block-size", "tensor-parallel"],
+)
+def test_a_pair_that_cannot_exchange_kv_is_refused_with_both_sides_values(mode, decode, named):
+    prefill = _identity("p", 128, tp_size=2, mode=mode)
+    decode = {**decode, "transfer_mode": mode}
+    answers, (prefill_fake, decode_fake), refusals = run(_paired(prefill, [decode], mode, 2))
+    for status, answer in answers:
+        assert status == 502
+        assert answer["error"]["type"] == "pairing_error"
+        for words in named:
+            assert words in answer["error"]["message"], answer
+    # Refused before either instance did any work: both identities were known.
+    assert decode_fake.bodies == [] and prefill_fake.bodies == []
+    assert refusals == 2
+
+
+def test_a_pull_router_that_learns_prefill_from_its_answer_refuses_before_decode():
+    prefill, decode = _identity("p", 128, mode="pull"), _identity("d", 64, mode="pull")
+    answers, (prefill_fake, decode_fake), refusals = run(
+        _paired(prefill, [decode], "pull", 2, prefill_endpoint=False)
+    )
+    assert [status for status, _ in answers] == [502, 502]
+    assert "prefill holds 128 tokens per block, decode 64" in answers[0][1]["error"]["message"]
+    assert len(prefill_fake.bodies) == 1  # the first answer taught the router its shape
+    assert decode_fake.bodies == [] and refusals == 2
+
+
+async def internal_error(request: web.Request, body: dict) -> web.Response:
+    error = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
+    return web.json_response({"error": error}, status=500)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_decode_leg_kvpush_failed_tells_the_client_why_not_internal_server_error(stream):
+    """vLLM answers a request whose KV load failed with a bare 500 (or error event);
+    the decode instance's trace holds kvpush's reason, and the client gets that."""
+    why = "handshake_refused: block sizes differ: prefill holds 128 tokens per block, decode 64"
+
+    def traces(decode: Fake) -> list[dict]:
+        named = [b["kv_transfer_params"]["transfer_id"] for b in decode.bodies]
+        return [{"transfer_id": "xfer-other", "error": "not this one"}] + [
+            {"transfer_id": tid, "marks": {}, "error": why} for tid in named
+        ]
+
+    identity = _identity("p", 128)
+    answers, _, _ = run(
+        _paired(
+            identity,
+            [identity],
+            requests=1,
+            decode_answer=error_stream([]) if stream else internal_error,
+            decode_traces=traces,
+            stream=stream,
+        )
+    )
+    ((status, answer),) = answers
+    assert status == 500
+    assert answer["error"]["type"] == "kv_transfer_error"
+    assert why in answer["error"]["message"] and "could not load" in answer["error"]["message"]
+
+
+def test_a_decode_failure_kvpush_has_no_reason_for_stays_as_decode_said():
+    identity = _identity("p", 128)
+    answers, _, _ = run(
+        _paired(identity, [identity], requests=1, decode_answer=internal_error,
+                decode_traces=lambda decode: [])
+    )  # fmt: skip
+    ((status, answer),) = answers
+    assert status == 500 and answer["error"]["type"] != "kv_transfer_error"

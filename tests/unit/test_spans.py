@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 
+from kvpush.vllm.metadata import KVPushWorkerMeta
 from kvpush.vllm.spans import MILESTONES, PHASES, Spans
 
 
@@ -86,3 +88,52 @@ def test_the_hand_off_is_split_into_its_parts_in_the_summary():
     assert parts == pytest.approx({"handoff": 100.0, "report": 400.0, "resume": 100.0})
     assert summary["decode.to_step"]["p50_ms"] == pytest.approx(500.0)  # report + resume
     assert spans.trace()[0]["spans_ms"].keys() == set(PHASES["decode"])  # phases only
+
+
+def test_a_failed_request_keeps_the_first_reason_in_its_trace():
+    spans = Spans()
+    spans.begin("r1", "decode", "xfer-1")
+    spans.fail("r1", "peer_lost: prefill went away")
+    spans.fail("r1", "later: not this one")
+    spans.begin("r2", "decode", "xfer-2")
+    spans.drop("r2")  # vLLM finished it before the reason reached the scheduler
+    spans.fail("r2", "write_failed: boom")
+    spans.fail("r9", "nobody: never traced")  # nothing to say it of: no new record
+    spans.drop("r1")
+    second, first = spans.trace()
+    assert (first["transfer_id"], first["error"]) == ("xfer-1", "peer_lost: prefill went away")
+    assert (second["transfer_id"], second["error"]) == ("xfer-2", "write_failed: boom")
+    spans.begin("r3", "decode", "xfer-3")
+    spans.drop("r3")
+    assert "error" not in spans.trace()[-1] and len(spans.trace()) == 3
+
+
+def test_the_trace_can_be_read_while_the_engine_marks():
+    """The identity endpoint's threads read while the engine's thread writes."""
+    spans = Spans()
+    stop = threading.Event()
+
+    def engine() -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            spans.begin(f"r{i}", "decode", f"t{i}")
+            spans.drop(f"r{i}")
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for _ in range(2000):
+            spans.trace(512)
+            spans.summary()
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_worker_failure_reasons_survive_aggregation_over_ranks():
+    one, other = KVPushWorkerMeta(failed={"r1": "peer_lost: x"}), KVPushWorkerMeta()
+    other.landed["r2"] = 1.0
+    assert not one.is_empty()
+    merged = other.aggregate(one)
+    assert merged.failed == {"r1": "peer_lost: x"} and merged.landed == {"r2": 1.0}

@@ -22,7 +22,12 @@ from kvpush.vllm.bootstrap import BootstrapResolver, fetch_query
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta, Pending
 from kvpush.vllm.scheduler import SchedulerSide
-from kvpush.vllm.transfers import api_request_id, engine_transfer_id, prompt_digest
+from kvpush.vllm.transfers import (
+    EngineTransfers,
+    api_request_id,
+    engine_transfer_id,
+    prompt_digest,
+)
 from kvpush.vllm.wake import Ringer, engine_inbox
 
 BLOCK = 128
@@ -393,6 +398,44 @@ def test_a_prefill_leg_without_a_transfer_id_gets_one_and_the_echo_drives_decode
     # The orchestrator forwards the echo unchanged: decode claims the very transfer.
     decode.on_new_request(_request("cmpl-xyz-0-99999999", 300, dict(echo)))
     assert [a.transfer_id for a in decode.build_connector_meta(_step()).announces] == [pending]
+
+
+def test_a_retried_prefill_leg_is_the_transfer_its_decode_leg_claims():
+    """A sequential orchestrator retries the prefill leg under the same request id:
+    prefill holds the retry's KV as the prompt's second transfer, and the decode leg,
+    carrying the retry's echo, claims that one, not the first attempt's."""
+    prefill, decode = _side(), _side()
+    first = _request("cmpl-abc123-0-1a2b3c4d", 300, dict(UPSTREAM_PREFILL_LEG))
+    prefill.on_new_request(first)
+    first_echo = _finish_prefill(prefill, first)
+    retry = _request("cmpl-abc123-0-5e6f7a8b", 300, dict(UPSTREAM_PREFILL_LEG))
+    prefill.on_new_request(retry)
+    (pending,) = prefill.build_connector_meta(_step()).pending
+    echo = _finish_prefill(prefill, retry)
+    assert pending.transfer_id != first_echo["remote_transfer_id"]
+    assert echo["remote_transfer_id"] == pending.transfer_id
+    decode.on_new_request(_request("cmpl-xyz-0-99999999", 300, dict(echo)))
+    announces = decode.build_connector_meta(_step()).announces
+    assert [a.transfer_id for a in announces] == [pending.transfer_id]
+
+
+@pytest.mark.parametrize("named", [None, 7, "xfer-1/0123456789abcdef.3", "xfer-1/", "junk"])
+def test_a_remote_transfer_id_of_another_prompt_or_shape_is_ignored(named):
+    decode = _side()
+    decode.on_new_request(_request("d1", 300, _decode_params(remote_transfer_id=named)))
+    assert [a.transfer_id for a in decode.build_connector_meta(_step()).announces] == [_tid(300)]
+
+
+def test_two_lora_adapters_never_share_a_prompts_transfer():
+    def digest(lora):
+        return EngineTransfers().assign(
+            SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3], lora_request=lora), "x"
+        )[0]
+
+    plain, sql = digest(None), digest(SimpleNamespace(lora_name="sql", lora_int_id=1))
+    assert len({plain, sql, digest(SimpleNamespace(lora_name="chat", lora_int_id=1))}) == 3
+    # The adapter's number is the server's own: prefill and decode may differ in it.
+    assert digest(SimpleNamespace(lora_name="sql", lora_int_id=2)) == sql
 
 
 def test_the_echo_carries_upstream_nixl_fields_with_upstream_types():
@@ -822,3 +865,21 @@ def test_a_kv_cache_whose_blocks_are_not_the_schedulers_is_refused_by_name():
         check_blocks_match(16, 65536, 128, 8192)
     with pytest.raises(ConfigError, match=r"hold 100 blocks.*ids up to 8191"):
         check_blocks_match(128, 100, 128, 8192)
+
+
+def test_the_detailed_state_sums_each_ranks_latest_counts_by_machine_state():
+    side = _side()
+    meta = KVPushWorkerMeta(states={0: {"producer.held": 2}, 1: {"producer.held": 1}})
+    side.update_connector_output(_output(meta))
+    assert side.state_detail()["by_state"] == {"producer.held": 3}
+    # Rank 1's count changed; rank 0 said nothing new this step.
+    side.update_connector_output(_output(KVPushWorkerMeta(states={1: {"producer.writing": 1}})))
+    detail = side.state_detail()
+    assert detail["by_state"] == {"producer.held": 2, "producer.writing": 1}
+    assert {k: detail[k] for k in ("sending", "producing", "receiving")} == side.state()
+
+
+def _output(meta):
+    return SimpleNamespace(
+        kv_connector_worker_meta=meta, finished_sending=None, finished_recving=None
+    )
