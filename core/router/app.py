@@ -491,8 +491,11 @@ class Router:
 
     async def _try_learning(self, instance: Instance) -> None:
         """Learn an instance's identity if it names an endpoint; one that does not
-        answer yet is asked again when a request needs it."""
-        if instance.identity_url:
+        answer yet is asked again when a request needs it, at most once a cooldown
+        (not on every request while it is down)."""
+        now = time.monotonic()
+        if instance.identity_url and now >= instance.identity_asked + self.config.cooldown_s:
+            instance.identity_asked = now
             try:
                 await self._learn_identity(instance)
             except LegError as exc:

@@ -24,6 +24,7 @@ class Instance:
     # Its kvpush identity by data-parallel rank (each DP rank is an engine of its own).
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     ejected_until: float = 0.0  # monotonic time; picked again only after it
+    identity_asked: float = float("-inf")  # monotonic time its identity was last asked
     _turn: int = 0
 
     def learn(self, identity: dict[str, Any]) -> None:

@@ -593,3 +593,37 @@ def test_a_decode_failure_kvpush_has_no_reason_for_stays_as_decode_said():
     )  # fmt: skip
     ((status, answer),) = answers
     assert status == 500 and answer["error"]["type"] != "kv_transfer_error"
+
+
+def test_a_decode_identity_endpoint_that_does_not_answer_is_not_asked_per_request():
+    async def scenario():
+        asked = []
+
+        async def not_kvpush(request: web.Request) -> web.Response:
+            asked.append(1)
+            return web.json_response({"kvpush": False})
+
+        app = web.Application()
+        app.router.add_get("/query", not_kvpush)
+        endpoint = web.AppRunner(app)
+        await endpoint.setup()
+        await web.TCPSite(endpoint, "127.0.0.1", 0).start()
+        identity_url = f"http://127.0.0.1:{endpoint.addresses[0][1]}/query"
+        prefill, decode = Fake(prefill_ok), Fake(decode_ok)
+        for fake in (prefill, decode):
+            await fake.start()
+        pools = [Instance(prefill.url, "prefill")], [Instance(decode.url, "decode", identity_url)]
+        runner = web.AppRunner(Router(RouterConfig(*pools, health_interval_s=0)).app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+                async with http.post(url + "/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+        await _close(runner, [prefill, decode])
+        await endpoint.cleanup()
+        return len(asked)
+
+    assert run(scenario()) == 1  # at start; not again within the cooldown
