@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 
@@ -106,29 +105,6 @@ def test_a_failed_request_keeps_the_first_reason_in_its_trace():
     spans.begin("r3", "decode", "xfer-3")
     spans.drop("r3")
     assert "error" not in spans.trace()[-1] and len(spans.trace()) == 3
-
-
-def test_the_trace_can_be_read_while_the_engine_marks():
-    """The identity endpoint's threads read while the engine's thread writes."""
-    spans = Spans()
-    stop = threading.Event()
-
-    def engine() -> None:
-        for i in itertools.count():
-            if stop.is_set():
-                return
-            spans.begin(f"r{i}", "decode", f"t{i}")
-            spans.drop(f"r{i}")
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    try:
-        for _ in range(2000):
-            spans.trace(512)
-            spans.summary()
-    finally:
-        stop.set()
-        thread.join()
 
 
 def test_worker_failure_reasons_survive_aggregation_over_ranks():
