@@ -27,6 +27,7 @@ HELP = {
     "rejected_messages": "Side-channel messages refused or ignored, by why",
     "rejected_notifs": "NIXL notifications ignored, by why",
     "handshakes": "Side-channel handshakes, by result",
+    "silent_consumers": "Consumer links dropped for silence while blocks were registered",
     "post_seconds": "Time to prepare and post one NIXL transfer",
     "transfer_seconds": "Time from posting a NIXL transfer to its completion",
     "done_to_ready_seconds": "Producer KV ready to consumer KV usable (wall clocks)",

@@ -61,6 +61,8 @@ class LinkPort(Protocol):
 
     def connect(self, peer: str, engine: str = "", epoch: str = "") -> None: ...
 
+    def disconnect(self, peer: str, reason: str) -> None: ...
+
 
 class DataPort(Protocol):
     """The data path, as the interpreter needs it."""
@@ -172,6 +174,8 @@ class Interpreter:
             self.links.send(action.peer, action.message)
         elif isinstance(action, act.Connect):
             self.links.connect(action.peer, action.engine, action.epoch)
+        elif isinstance(action, act.Disconnect):
+            self.links.disconnect(action.peer, action.reason)
         elif isinstance(action, act.PostRead):
             self.settle(self.data.post_read(action))
         elif isinstance(action, act.ExposeBlocks):

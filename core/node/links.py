@@ -45,7 +45,9 @@ class LinkEvents(Protocol):
 
     def on_message(self, peer: str, message: Message, outgoing: bool) -> None: ...
 
-    def on_lost(self, peer: str, reason: str, outgoing: bool, was_ready: bool) -> None: ...
+    def on_lost(
+        self, peer: str, reason: str, outgoing: bool, was_ready: bool, by_peer: bool = False
+    ) -> None: ...
 
 
 @dataclass
@@ -119,6 +121,13 @@ class Links:
             self.loop.call_soon(self._attach, peer, sock, True)
 
         threading.Thread(target=dial, name=f"kvpush-dial-{peer}", daemon=True).start()
+
+    def disconnect(self, peer: str, reason: str) -> None:
+        """Close the link to `peer`; its loss is reported as any closed link's."""
+        link = self._links.get(peer)
+        if link is not None:
+            log.warning("kvpush: closing the link to %s: %s", peer, reason)
+            self.loop.call_soon(link.conn.close, reason)
 
     def accept(self, sock: Any) -> None:
         """The listener's callback for a producer's incoming connection."""
@@ -272,7 +281,7 @@ class Links:
         if link.deadline is not None:
             link.deadline.cancel()
         self.data.unpair(link.peer)
-        self.events.on_lost(link.peer, reason, link.outgoing, link.ready)
+        self.events.on_lost(link.peer, reason, link.outgoing, link.ready, conn.closed_by_peer)
 
     def _unreachable(self, peer: str, reason: str) -> None:
         self._dialling.pop(peer, None)

@@ -406,6 +406,8 @@ class Node:
             nonce=session.nonce,
             lease_s=self.config.protocol.lease_s,
             registration_ttl_s=self.config.protocol.registration_ttl_s,
+            silence_s=self.config.protocol.silence_s,
+            heartbeat_s=self.config.protocol.heartbeat_s,
         )
 
     def on_ready(self, peer: str, hello: Hello, layout: KVLayout, outgoing: bool) -> None:
@@ -416,12 +418,14 @@ class Node:
         machine = self.consumer if outgoing else self.producer
         self._run(machine.on_message(peer, message, self.clock()))
 
-    def on_lost(self, peer: str, reason: str, outgoing: bool, was_ready: bool) -> None:
+    def on_lost(
+        self, peer: str, reason: str, outgoing: bool, was_ready: bool, by_peer: bool = False
+    ) -> None:
         now = self.clock()
         if outgoing and not was_ready:
             self._run(self.consumer.on_handshake_failed(peer, reason, now))
         elif outgoing:
-            self._run(self.consumer.on_peer_lost(peer, reason, now))
+            self._run(self.consumer.on_peer_lost(peer, reason, now, by_peer))
         elif was_ready:
             self._run(self.producer.on_peer_lost(peer, reason, now))
 

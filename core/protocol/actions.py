@@ -26,6 +26,15 @@ class Connect:
 
 
 @dataclass(frozen=True)
+class Disconnect:
+    """Close the side channel to `peer` (a silent consumer); its loss follows as for
+    any closed link."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class PostWrite:
     """Producer: fence the KV, then WRITE layers [start, stop) of src_blocks into the
     peer's dst_blocks; `notif` (empty for all but the last WRITE) marks the end."""

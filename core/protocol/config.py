@@ -28,6 +28,11 @@ class ProtocolConfig:
     max_wait_s: the most a consumer waits for one transfer, heartbeats or not, so a
         producer whose engine hangs cannot keep decode's blocks forever.
     tombstone_s: how long an ended transfer id is remembered, to answer latecomers.
+    silence_s: a producer that has heard nothing from a consumer for this long, while
+        it may still WRITE into that consumer's blocks, drops the session and writes
+        nothing more. So a consumer whose link broke (perhaps only on its side) may
+        reuse those blocks `silence_s` after the last thing it sent, plus the time a
+        posted WRITE may take to land. At least three heartbeats.
     orphan_grace_s: how long a producer holds the computed KV of a transfer it named
         itself (its orchestrator sends the decode leg only after prefill answered)
         for a consumer to announce it; one that has not by then never will. It only
@@ -44,6 +49,7 @@ class ProtocolConfig:
     max_wait_s: float = 600.0
     tombstone_s: float = 300.0
     orphan_grace_s: float = 10.0
+    silence_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -58,6 +64,11 @@ class ProtocolConfig:
             raise ConfigError(
                 f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s, "
                 "registration_ttl_s and watchdog_s, or a live transfer could expire"
+            )
+        if self.heartbeat_s * 3 > self.silence_s:
+            raise ConfigError(
+                f"silence_s ({self.silence_s}) must be at least three heartbeats "
+                f"({3 * self.heartbeat_s}), or a consumer that misses one beat is dropped"
             )
 
     @classmethod

@@ -158,6 +158,7 @@ class Consumer:
         self._requests: dict[str, _Request] = {}
         self._ended: dict[Key, None] = {}  # insertion-ordered, bounded
         self._held_cancels: dict[str, list[str]] = {}  # peer still connecting -> ids
+        self._last_sent: dict[str, float] = {}  # peer -> when we last sent it anything
         self._deadlines = Deadlines()
 
     # -- engine events ---------------------------------------------------------------
@@ -176,7 +177,7 @@ class Consumer:
         self._add(_Transfer(transfer_id, peer, engine=engine, epoch=epoch))
         actions = self._ensure_session(peer, engine, epoch)
         if self._ready(peer):
-            actions.append(Send(peer, Heartbeat([transfer_id])))
+            actions.append(self._send(peer, Heartbeat([transfer_id]), now))
         arm_heartbeat(self._deadlines, now, self.config.heartbeat_s)
         return actions
 
@@ -246,7 +247,7 @@ class Consumer:
         transfer_id = transfer.transfer_id
         if transfer.state == State.CANCELLING:
             return []
-        cancel = Send(transfer.peer, Cancel(transfer_id, reason))
+        cancel = self._send(transfer.peer, Cancel(transfer_id, reason), now)
         live = self._ready(transfer.peer)
         if transfer.state == State.ANNOUNCED:
             self._forget(transfer)
@@ -271,12 +272,13 @@ class Consumer:
         completed."""
         self._peers[peer] = _Peer("ready", hello, layout)
         actions: list[Action] = [
-            Send(peer, Cancel(tid, "aborted")) for tid in self._held_cancels.pop(peer, ())
+            self._send(peer, Cancel(tid, "aborted"), now)
+            for tid in self._held_cancels.pop(peer, ())
         ]
         waiting = [t for t in self._transfers.values() if t.peer == peer]
         announced = [t.transfer_id for t in waiting if t.state == State.ANNOUNCED]
         if announced:
-            actions.append(Send(peer, Heartbeat(announced)))
+            actions.append(self._send(peer, Heartbeat(announced), now))
         for transfer in waiting:
             if transfer.state == State.CONNECTING:
                 actions += self._claim(transfer, now)
@@ -290,8 +292,13 @@ class Consumer:
                 actions += self._fail(transfer, now, "handshake_failed", reason)
         return actions
 
-    def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
-        """The side channel to the producer closed (it died, or the network did)."""
+    def on_peer_lost(
+        self, peer: str, reason: str, now: float, by_peer: bool = False
+    ) -> list[Action]:
+        """The side channel to the producer closed: it died, or the network did.
+        `by_peer`: the producer's end closed it (FIN or RST came), so it knows too."""
+        hello = self._peers[peer].hello if peer in self._peers else None
+        settle = self._quiet_after_loss(peer, hello, now, by_peer)
         actions: list[Action] = []
         for transfer in self._drop_peer(peer):
             if transfer.state in (State.CONNECTING, State.REQUESTED, State.LANDING):
@@ -299,18 +306,32 @@ class Consumer:
             elif transfer.state == State.READING:
                 transfer.cancel_reason = transfer.cancel_reason or "peer_lost"
             elif transfer.state == State.REGISTERED:
-                # A WRITE it posted before dying may still be landing: wait that long.
                 TRANSITIONS.move(transfer, State.CANCELLING)
                 transfer.cancel_reason = "peer_lost"
                 self._deadlines.cancel(("watchdog", _key(transfer)))
-                self._deadlines.set(("settle", _key(transfer)), now + self._landing_bound())
-            elif transfer.state == State.CANCELLING:
-                settle = min(
-                    self._deadlines.get(("settle", _key(transfer))) or float("inf"),
-                    now + self._landing_bound(),
-                )
                 self._deadlines.set(("settle", _key(transfer)), settle)
+            elif transfer.state == State.CANCELLING:
+                earlier = self._deadlines.get(("settle", _key(transfer))) or float("inf")
+                self._deadlines.set(("settle", _key(transfer)), min(earlier, settle))
         return actions
+
+    def _quiet_after_loss(self, peer: str, hello: Hello | None, now: float, by_peer: bool) -> float:
+        """When nothing the producer at `peer` posted can land in our blocks any more,
+        after we lost the link to it.
+
+        If its end closed the link, it stopped posting then: a WRITE posted just
+        before lands within the landing bound. If only our end saw the link break,
+        it may not know yet, and keeps writing until its silence rule (or, for a
+        producer without one, its registration's end) counts from the last thing
+        we sent it.
+        """
+        if by_peer:
+            return now + self._landing_bound()
+        last = self._last_sent.get(peer, now)
+        hold = self.config.registration_ttl_s
+        if hello is not None:
+            hold = hello.silence_s or hello.registration_ttl_s
+        return max(now, last + hold) + self._landing_bound()
 
     def _drop_peer(self, peer: str) -> list[_Transfer]:
         """Forget the session to `peer` and the transfers only announced to it; the
@@ -395,7 +416,7 @@ class Consumer:
             return [Counted("unexpected_read_completion")]
         actions: list[Action] = []
         if self._ready(transfer.peer):
-            actions.append(Send(transfer.peer, Release(transfer_id)))
+            actions.append(self._send(transfer.peer, Release(transfer_id), now))
         if not ok and may_land:
             return actions + self._settle_later(
                 transfer, transfer.cancel_reason or "read_failed", now
@@ -489,7 +510,7 @@ class Consumer:
             message = PullRequest(
                 transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks, transfer.parts
             )
-        return [Send(transfer.peer, message)]
+        return [self._send(transfer.peer, message, now)]
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
         for transfer_id in message.transfer_ids:
@@ -549,7 +570,7 @@ class Consumer:
         problem = self._check_grant(transfer, remote)
         if problem or now >= transfer.read_deadline:
             reason = "bad_blocks" if problem else "lease_expired"
-            release = Send(transfer.peer, Release(transfer.transfer_id))
+            release = self._send(transfer.peer, Release(transfer.transfer_id), now)
             detail = problem or "the grant came too late"
             return [release] + self._fail(transfer, now, reason, detail)
         TRANSITIONS.move(transfer, State.READING)
@@ -569,7 +590,7 @@ class Consumer:
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:
         if transfer.state == State.CONNECTING:
             return self._fail(transfer, now, "watchdog_expired", "no session with the producer")
-        cancel = Send(transfer.peer, Cancel(transfer.transfer_id, "watchdog_expired"))
+        cancel = self._send(transfer.peer, Cancel(transfer.transfer_id, "watchdog_expired"), now)
         if transfer.state == State.REQUESTED:
             return [cancel] + self._fail(transfer, now, "watchdog_expired", "no grant in time")
         if transfer.state in _PRODUCER_MAY_WRITE:
@@ -598,6 +619,11 @@ class Consumer:
         covers the two sides' timer granularity."""
         return self.config.write_grace_s + self.config.heartbeat_s
 
+    def _send(self, peer: str, message: Message, now: float) -> Send:
+        """A message for the producer at `peer`; its silence rule counts from the last."""
+        self._last_sent[peer] = now
+        return Send(peer, message)
+
     def _heartbeats(self, now: float) -> list[Action]:
         wanted: dict[str, list[str]] = {}
         for transfer in self._transfers.values():
@@ -607,7 +633,7 @@ class Consumer:
                     transfer.claimed_at = now
         if self._transfers:
             self._deadlines.set(HEARTBEAT, now + self.config.heartbeat_s)
-        return [Send(peer, Heartbeat(tids)) for peer, tids in wanted.items()]
+        return [self._send(peer, Heartbeat(tids), now) for peer, tids in wanted.items()]
 
     def _deliver(self, transfer: _Transfer) -> list[Action]:
         """One part's KV landed; the transfer is delivered once every part's has."""

@@ -27,6 +27,15 @@ def pairing_problem(local: Hello, remote: Hello) -> str | None:
         return f"the peer has unknown role {remote.role!r}"
     if local.role == remote.role and local.role != "both":
         return f"both sides are {local.role}s; a {local.role} pairs with the other role"
+    for consumer, producer in ((local, remote), (remote, local)):
+        if consumer.role == "producer" or producer.role == "consumer":
+            continue
+        if producer.silence_s and 3 * consumer.heartbeat_s > producer.silence_s:
+            return (
+                f"the consumer heartbeats every {consumer.heartbeat_s} s, but the producer "
+                f"drops a consumer silent for {producer.silence_s} s: set heartbeat_s to at "
+                "most a third of the producer's silence_s"
+            )
     # Which ranks pair, across TP sizes too, the layouts' shards say (layout_problem).
     return None
 

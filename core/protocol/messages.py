@@ -75,6 +75,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     nonce: bytes
     lease_s: float
     registration_ttl_s: float
+    # A producer's silence_s (see ProtocolConfig); 0: it keeps no such rule, so its
+    # registrations are the only bound on its WRITEs.
+    silence_s: float = 0.0
+    heartbeat_s: float = 0.0  # how often this side heartbeats its live transfers
 
 
 class Verify(msgspec.Struct, tag="verify", frozen=True):

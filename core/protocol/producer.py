@@ -34,6 +34,7 @@ from kvpush.protocol.actions import (
     Action,
     ChunkSent,
     Counted,
+    Disconnect,
     ExposeBlocks,
     PostWrite,
     ReleaseBlocks,
@@ -203,12 +204,15 @@ class Producer:
     def on_ready(self, peer: str, hello: Hello, layout: KVLayout, now: float) -> list[Action]:
         """A consumer (its KV laid out as `layout`) completed its handshake as `peer`."""
         self._peers[peer] = _Peer(hello, layout)
+        self._deadlines.set(("silent", peer), now + self.config.silence_s)
         return []
 
     def on_peer_lost(self, peer: str, reason: str, now: float) -> list[Action]:
         """The consumer's side channel closed: drop what it claimed, free what it held,
         and hold what only it announced a few heartbeats more, not the whole lease."""
-        self._peers.pop(peer, None)
+        if self._peers.pop(peer, None) is None:
+            return []  # ended already (we dropped it for its silence)
+        self._deadlines.cancel(("silent", peer))
         actions: list[Action] = []
         for tid in [t for t, peers in self._announcers.items() if peer in peers]:
             self._announcers[tid].discard(peer)
@@ -445,6 +449,7 @@ class Producer:
     def on_message(self, peer: str, message: Message, now: float) -> list[Action]:
         if peer not in self._peers:
             return [Counted("rejected_messages", {"why": "no_session"})]
+        self._deadlines.set(("silent", peer), now + self.config.silence_s)
         if isinstance(message, Register):
             return self._on_register(peer, message, now)
         if isinstance(message, PullRequest):
@@ -783,9 +788,26 @@ class Producer:
                 actions += self._heartbeats(now)
             elif kind == "claim":  # announced, never produced: forget who announced it
                 self._announcers.pop(what, None)
+            elif kind == "silent":
+                actions += self._on_silence(what, now)
             elif kind in ("lease", "reg") and what in self._transfers:  # a record's key
                 actions += self._expire(self._transfers[what], kind, now)
         return actions
+
+    def _on_silence(self, peer: str, now: float) -> list[Action]:
+        """Nothing from `peer` for silence_s. Its link may be broken on its side only:
+        it then reuses the blocks it registered here once silence_s (and a WRITE's
+        landing time) has passed since it last sent anything, so write nothing more
+        into them, and close the link, which ends its transfers as a loss."""
+        writable = [
+            t for t in self._transfers.values()
+            if t.peer == peer and t.dst_blocks is not None and t.state not in _ENDING
+        ]  # fmt: skip
+        if peer not in self._peers or not writable:
+            return []  # a consumer with nothing registered owes us no heartbeats
+        detail = f"nothing heard for {self.config.silence_s} s while it had blocks registered"
+        actions = self.on_peer_lost(peer, f"silent consumer: {detail}", now)
+        return [*actions, Counted("silent_consumers"), Disconnect(peer, detail)]
 
     def _expire(self, transfer: _Transfer, kind: str, now: float) -> list[Action]:
         reason = "lease_expired" if kind == "lease" else "registration_expired"

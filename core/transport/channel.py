@@ -43,6 +43,8 @@ class Connection:
         self.on_close = on_close
         self.label = label or _peer_label(sock)
         self.closed = False
+        # The peer's end closed (FIN or RST came): its side knows the link is gone.
+        self.closed_by_peer = False
         self._inbuf = bytearray()
         self._outbuf = bytearray()
         sock.setblocking(False)
@@ -85,9 +87,11 @@ class Connection:
         except BlockingIOError:
             return
         except OSError as exc:
+            self.closed_by_peer = isinstance(exc, ConnectionResetError)
             self.close(f"receive failed: {exc.strerror or exc}")
             return
         if not data:
+            self.closed_by_peer = True
             self.close("the peer closed the connection")
             return
         self._inbuf += data

@@ -79,7 +79,7 @@ class ConnectorConfig:
     ucx_error_handling: "none" (default, fastest here) or "peer".
     device_options: passed to the device backend (e.g. {"staging": "host"}).
     Protocol timers (seconds): lease_s, registration_ttl_s, watchdog_s, heartbeat_s,
-        write_grace_s, landing_s, max_wait_s, tombstone_s, orphan_grace_s.
+        write_grace_s, landing_s, max_wait_s, tombstone_s, orphan_grace_s, silence_s.
     """
 
     mode: str = "push"

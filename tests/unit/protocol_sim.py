@@ -41,6 +41,8 @@ def hello(role: str, mode: str, blocks: int, name: str, base: int, config: Proto
         nonce=b"n" * 16,
         lease_s=config.lease_s,
         registration_ttl_s=config.registration_ttl_s,
+        silence_s=config.silence_s,
+        heartbeat_s=config.heartbeat_s,
     )
 
 
@@ -122,10 +124,21 @@ class _ProducerPorts(_Ports):
         self.sim = sim
 
     def send(self, peer: str, message: object) -> None:
-        self.sim.network.append((peer, "producer", message))
+        if peer not in self.sim.half_closed:
+            self.sim.network.append((peer, "producer", message))
 
     def connect(self, peer: str, engine: str = "", epoch: str = "") -> None:
         self.sim.errors.append(f"the producer dialled {peer}")
+
+    def disconnect(self, peer: str, reason: str) -> None:
+        sim = self.sim
+        sim.disconnected.append(peer)
+        if peer in sim.half_closed or sim.partitioned:
+            # The consumer's end is gone already, or our close cannot reach it.
+            sim.half_closed.discard(peer)
+            sim._run_producer(sim.producer.on_peer_lost(peer, reason, sim.now))
+        else:
+            sim.kill_link(peer)
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
         sim = self.sim
@@ -173,6 +186,9 @@ class _ConsumerPorts(_Ports):
 
     def send(self, peer: str, message: object) -> None:
         self.sim.network.append(("producer", self.side.name, message))
+
+    def disconnect(self, peer: str, reason: str) -> None:
+        self.sim.errors.append(f"{self.side.name} dropped {peer}: {reason}")
 
     def connect(self, peer: str, engine: str = "", epoch: str = "") -> None:
         # As Links does: a producer that is not the one named gets nothing of ours.
@@ -241,6 +257,7 @@ class Sim:
             tombstone_s=60,
             max_wait_s=40,
             orphan_grace_s=3,
+            silence_s=4,
         )
         self.mode = self.config.mode
         self.now = 0.0
@@ -273,6 +290,8 @@ class Sim:
         self.counted: list[act.Counted] = []
         self.errors: list[str] = []
         self.partitioned = False  # while True, every message sent is lost
+        self.half_closed: set[str] = set()  # consumers whose link only they saw break
+        self.disconnected: list[str] = []  # consumers the producer dropped as silent
         self.stale_reads: set[str] = set()  # READs that copied freed producer blocks
         # Each engine runs one machine; the other half of its Node stays idle.
         self.idle_producer = Producer(self.config, num_layers=layers)
@@ -406,11 +425,20 @@ class Sim:
             self.deliver()
 
     def kill_link(self, consumer: str | None = None) -> None:
-        """The side channel between the producer and a consumer breaks."""
+        """The side channel between the producer and a consumer breaks; each end
+        sees the other's close."""
         side = self.consumers[consumer] if consumer else self.c
         self.network = deque(m for m in self.network if side.name not in (m[0], m[1]))
         self._run_producer(self.producer.on_peer_lost(side.name, "closed", self.now))
-        self._run_consumer(side, side.machine.on_peer_lost(PRODUCER, "closed", self.now))
+        self._run_consumer(side, side.machine.on_peer_lost(PRODUCER, "closed", self.now, True))
+
+    def half_close(self, consumer: str | None = None) -> None:
+        """Only the consumer's end sees the link break (a local error, a middlebox):
+        the producer still thinks it up, and hears nothing from the consumer again."""
+        side = self.consumers[consumer] if consumer else self.c
+        self.network = deque(m for m in self.network if side.name not in (m[0], m[1]))
+        self.half_closed.add(side.name)
+        self._run_consumer(side, side.machine.on_peer_lost(PRODUCER, "send failed", self.now))
 
     def settle(self) -> None:
         """Run everything to quiescence: messages, writes, reads, notifications, timers."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from protocol_sim import PRODUCER, Sim
+from protocol_sim import PRODUCER, Sim, hello
 
 from kvpush.errors import ConfigError, ProtocolError
 from kvpush.protocol import consumer as consumer_machine
 from kvpush.protocol import producer as producer_machine
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import TRANSITIONS, Consumer, Source, State
+from kvpush.protocol.handshake import pairing_problem
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -357,6 +358,55 @@ def test_peer_death_mid_registration_waits_out_the_write_grace():
     assert sim.c.failed == {"t1": "peer_lost"}
     sim.settle()
     sim.check()
+
+
+def test_half_open_link_keeps_registered_blocks_while_the_producer_may_still_write():
+    # Only decode's end saw the link break: prefill still thinks it up, and its KV
+    # comes after decode's old 12 s wait (here 3 s) was over.
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.half_close()
+    sim.advance(sim.config.write_grace_s + sim.config.heartbeat_s + 0.5)
+    assert sim.c.failed == {}  # the blocks are still decode's
+    sim.ready("t1")
+    sim.finish_writes()  # lands in blocks decode still holds, not in freed ones
+    sim.settle()
+    assert sim.c.failed == {"t1": "peer_lost"}
+    sim.check()
+
+
+def test_silent_consumer_is_dropped_before_its_blocks_can_be_reused():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.half_close()
+    sim.advance(sim.config.silence_s + 0.5)
+    assert sim.disconnected == ["decode0"]
+    assert ("silent_consumers", {}) in [(c.name, c.labels) for c in sim.counted]
+    assert sim.c.failed == {}  # decode waits out the silence and a WRITE's landing
+    sim.ready("t1")
+    assert not sim.writes  # nothing more is written into blocks decode will reuse
+    sim.settle()
+    assert sim.c.failed == {"t1": "peer_lost"}
+    assert sim.released == {"t1": "peer_lost"}
+    sim.check()
+
+
+def test_consumer_heartbeating_slower_than_the_producers_silence_rule_is_refused():
+    config = ProtocolConfig(heartbeat_s=4, watchdog_s=30, silence_s=12)
+    slow = hello("consumer", "push", 8, "decode", 0x900000, config)
+    strict = hello("producer", "push", 8, "prefill", 0x100000, ProtocolConfig(silence_s=10))
+    problem = pairing_problem(slow, strict)
+    assert problem is not None and "heartbeat_s" in problem
+    assert pairing_problem(strict, slow) == problem
+    fine = hello("consumer", "push", 8, "decode", 0x900000, ProtocolConfig())
+    assert pairing_problem(fine, strict) is None
+
+
+def test_silence_shorter_than_three_heartbeats_is_a_config_error():
+    with pytest.raises(ConfigError, match="silence_s"):
+        ProtocolConfig(heartbeat_s=4, watchdog_s=30, silence_s=10)
 
 
 def test_peer_death_before_the_kv_releases_it_when_it_comes():
