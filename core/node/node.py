@@ -26,6 +26,7 @@ from kvpush.errors import KVPushError
 from kvpush.layout import KVLayout
 from kvpush.metrics import Metrics
 from kvpush.node.datapath import DataPath
+from kvpush.node.faults import Faults, FaultyAgent, FaultyBackends
 from kvpush.node.interpreter import Interpreter, Outcome
 from kvpush.node.links import Links
 from kvpush.plugins import Backends, get_backends
@@ -94,12 +95,16 @@ class Node:
         on_outcome: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        faults: Faults | None = None,
     ) -> None:
         self.config = config
+        self.faults = faults  # tests and drills: the data path's calls fail on purpose
         # Called on the loop thread after each outcome is queued: must not block.
         self._on_outcome = on_outcome
         self.kv = kv
         self.backends = backends or get_backends()
+        if faults is not None:
+            self.backends = FaultyBackends(self.backends, faults)
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.wall = wall
@@ -147,8 +152,9 @@ class Node:
             f"kvpush-{config.engine_id}-r{config.rank}-{config.epoch}", agent_config
         )
         self.agent.register(self.kv.layout.regions)
+        agent = self.agent if self.faults is None else FaultyAgent(self.agent, self.faults)
         self.data = DataPath(
-            self.agent,
+            agent,
             self.kv,
             self.backends,
             self.metrics,

@@ -25,6 +25,7 @@ import kvpush_example_backend as example
 
 from kvpush.layout import Shard
 from kvpush.node import Node, NodeConfig, Source
+from kvpush.node.faults import Faults
 from kvpush.plugins import Backends
 from kvpush.protocol.config import ProtocolConfig
 
@@ -58,6 +59,7 @@ class NodePeer:
         world: int = 1,
         lock_dir: str = "",
         heads: int = 0,
+        faults: dict | None = None,
         **protocol: float,
     ) -> None:
         self.cache = None
@@ -84,7 +86,8 @@ class NodePeer:
             protocol=ProtocolConfig(mode=mode, **protocol),
             secret=secret.encode(),
         )
-        self.node = Node(config, self.kv, self.backends).start()
+        self.faults = Faults(**faults) if faults else None
+        self.node = Node(config, self.kv, self.backends, faults=self.faults).start()
         self.outcomes: list[dict] = []
 
     def _init_buffers(
@@ -250,6 +253,11 @@ class NodePeer:
         agent = self.node.agent
         self.node.loop.call(lambda: [agent.remove_peer(p) for p in agent.peers])
         return {}
+
+    def injected(self) -> dict:
+        """The faults injected so far, as "op/mode" -> count."""
+        counts = self.faults.injected if self.faults else {}
+        return {"injected": {f"{op}/{mode}": n for (op, mode), n in counts.items()}}
 
     def close(self) -> dict:
         self.node.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvpush.errors import BackendError, TransportError
 from kvpush.layout import BlockRun, KVLayout
 from kvpush.node.interpreter import Interpreter, Outcome, Settled
 from kvpush.protocol import actions as act
@@ -142,6 +143,8 @@ class _ProducerPorts(_Ports):
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
         sim = self.sim
+        if sim.strike("post"):
+            raise TransportError("WRITE", "injected fault: the post failed")
         for write in writes:
             if write.transfer_id in sim.writes:
                 sim.errors.append(f"two WRITEs in flight for {write.transfer_id}")
@@ -154,6 +157,8 @@ class _ProducerPorts(_Ports):
         return []
 
     def expose(self, transfer_id: str, block_ids: list[int]) -> None:
+        if self.sim.strike("stage"):
+            raise BackendError("injected fault: staging for a READ failed")
         if not self.sim.p_ledger.holds(transfer_id, block_ids):
             self.sim.errors.append(f"{transfer_id} exposed blocks it does not hold")
 
@@ -200,6 +205,8 @@ class _ConsumerPorts(_Ports):
         return []
 
     def post_read(self, read: act.PostRead) -> list[Settled]:
+        if self.sim.strike("post"):  # as DataPath does: nothing posted, failed at once
+            return [Settled("READ", read.transfer_id, read.peer, False, "injected fault")]
         self.side.reads[read.transfer_id] = read
         return []
 
@@ -207,6 +214,8 @@ class _ConsumerPorts(_Ports):
         self.sim.errors.append(f"{self.side.name} exposed {transfer_id}")
 
     def landed(self, transfer_id: str) -> int:
+        if self.sim.strike("stage"):
+            raise BackendError("injected fault: staging onto the device failed")
         return 0
 
     def publish(self, outcome: Outcome) -> None:
@@ -292,6 +301,7 @@ class Sim:
         self.partitioned = False  # while True, every message sent is lost
         self.half_closed: set[str] = set()  # consumers whose link only they saw break
         self.disconnected: list[str] = []  # consumers the producer dropped as silent
+        self.armed: list[str] = []  # data-path calls ("post", "stage") to fail next
         self.stale_reads: set[str] = set()  # READs that copied freed producer blocks
         # Each engine runs one machine; the other half of its Node stays idle.
         self.idle_producer = Producer(self.config, num_layers=layers)
@@ -440,6 +450,13 @@ class Sim:
         self.half_closed.add(side.name)
         self._run_consumer(side, side.machine.on_peer_lost(PRODUCER, "send failed", self.now))
 
+    def strike(self, op: str) -> bool:
+        """Whether this call of `op` fails: once per time it was armed."""
+        if op in self.armed:
+            self.armed.remove(op)
+            return True
+        return False
+
     def settle(self) -> None:
         """Run everything to quiescence: messages, writes, reads, notifications, timers."""
         for _ in range(200):
@@ -510,6 +527,11 @@ class Sim:
             why = problem or "refused"
             self._run_consumer(side, side.machine.on_handshake_failed(PRODUCER, why, self.now))
             return
+        if side.name in self.half_closed:
+            # A new link: the producer's old one to this consumer is a different peer,
+            # which falls silent; here, where both share a name, it ends first.
+            self.half_closed.discard(side.name)
+            self._run_producer(self.producer.on_peer_lost(side.name, "silent", self.now))
         self._run_producer(self.producer.on_ready(side.name, side.hello, side.layout, self.now))
         self._run_consumer(
             side,

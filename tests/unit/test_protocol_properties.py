@@ -1,7 +1,10 @@
 """Random event orders and random bytes against the protocol.
 
-Invariants: only kvpush's own exceptions; after the dust settles every block on
-both sides is free exactly once, nothing waits, no WRITE lands where it should not.
+Events include links that break on one end only and data-path calls that fail
+(a WRITE or READ that cannot post, a staging copy that raises). Invariants: only
+kvpush's own exceptions; after the dust settles every block on both sides is free
+exactly once, nothing waits, every decode transfer ended once, no WRITE lands
+where it should not.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ event = st.one_of(
     st.tuples(st.just("notifs")),
     st.tuples(st.just("advance"), st.sampled_from([0.1, 1.0, 3.0, 9.0, 25.0])),
     st.tuples(st.just("kill"), consumer),
+    st.tuples(st.just("half_close"), consumer),
+    st.tuples(st.just("fault"), st.sampled_from(["post", "stage"])),
     st.tuples(st.just("stray_to_producer"), consumer, stray_message),
     st.tuples(
         st.just("stray_to_consumer"),
@@ -110,6 +115,10 @@ def _play(sim: Sim, events: list[tuple]) -> set[str]:
             sim.advance(ev[1])
         elif kind == "kill":
             sim.kill_link(ev[1])
+        elif kind == "half_close":
+            sim.half_close(ev[1])
+        elif kind == "fault":
+            sim.armed.append(ev[1])
         elif kind == "stray_to_producer":
             sim._run_producer(sim.producer.on_message(ev[1], ev[2], sim.now))
         elif kind == "stray_to_consumer":
