@@ -278,6 +278,8 @@ class Links:
         if link is None or link.conn is not conn:
             return
         del self._links[link.peer]
+        if conn.refused:
+            self.metrics.inc("rejected_links", why=conn.refused)
         if link.deadline is not None:
             link.deadline.cancel()
         self.data.unpair(link.peer)

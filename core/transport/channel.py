@@ -45,6 +45,7 @@ class Connection:
         self.closed = False
         # The peer's end closed (FIN or RST came): its side knows the link is gone.
         self.closed_by_peer = False
+        self.refused = ""  # why we closed it on the peer's account, for the counters
         self._inbuf = bytearray()
         self._outbuf = bytearray()
         sock.setblocking(False)
@@ -98,6 +99,7 @@ class Connection:
         while len(self._inbuf) >= HEADER.size:
             (size,) = HEADER.unpack_from(self._inbuf)
             if size > self.max_frame:
+                self.refused = "oversized_frame"
                 self.close(f"the peer sent a {size}-byte frame (limit {self.max_frame})")
                 return
             if len(self._inbuf) < HEADER.size + size:

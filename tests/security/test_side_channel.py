@@ -95,6 +95,7 @@ def test_an_oversized_frame_before_the_hello_is_refused_unread(producer):
     sock = _dial(producer)
     sock.sendall(HEADER.pack(links.PRE_AUTH_FRAME + 1))  # announces 4 KiB + 1, sends none
     assert _everything_until_closed(sock) == b""  # closed at once, nothing buffered
+    assert producer.metrics.counter("rejected_links", why="oversized_frame") == 1
 
 
 def test_a_hello_under_another_secret_gets_a_refusal_and_nothing_of_our_memory(producer):
@@ -153,3 +154,35 @@ def test_a_node_without_a_secret_refuses_to_start_unless_told_it_is_insecure():
     with pytest.raises(KVPushError, match="needs a shared secret"):
         NodeConfig("engine", "producer")
     assert NodeConfig("engine", "producer", insecure=True).secret == b""
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_flood_of_hostile_connections_leaves_memory_and_links_bounded(producer):
+    """Three hundred connections, each one of the attacks above: memory stays within a
+    few MiB, no link survives, and each refusal is counted under its name."""
+    forged = Session(b"not-the-secret-at-all-0123456789", True, os.urandom(16))
+    attacks = {
+        "oversized": HEADER.pack(64 << 20) + b"\0" * 4096,  # a 64 MiB frame announced
+        "wrong_secret": _hello(forged),
+        "garbage": HEADER.pack(16) + os.urandom(16),
+    }
+    for _ in range(20):  # warm the allocator before the baseline
+        sock = _dial(producer)
+        sock.sendall(attacks["garbage"])
+        _everything_until_closed(sock)
+    before = _rss_bytes()
+    for i in range(300):
+        sock = _dial(producer)
+        sock.sendall(list(attacks.values())[i % 3])
+        _everything_until_closed(sock)
+    growth = _rss_bytes() - before
+    assert growth < 8 << 20, f"memory grew {growth / 2**20:.1f} MiB over 300 hostile connections"
+    assert producer.stats()["links"] == []
+    assert producer.metrics.counter("rejected_messages", why="auth") == 100
+    assert producer.metrics.counter("rejected_links", why="oversized_frame") == 100
+    assert producer.metrics.counter("rejected_messages", why="malformed") >= 100
+    assert producer.metrics.counter("handshakes", result="ok") == 0
