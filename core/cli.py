@@ -152,6 +152,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         policy=args.policy,
         kv_extra=_json_object("--kv-extra", args.kv_extra),
+        insecure=args.insecure,
         model=Path(args.model) if args.model else None,
         warm_up=args.warm_up,
         settle_max_s=args.settle_max,
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--policy", choices=("fail", "recompute"), default="fail",
                       help="decode's kv_load_failure_policy")  # fmt: skip
     soak.add_argument("--kv-extra", metavar="JSON", help="more kvpush connector settings")
+    soak.add_argument(
+        "--insecure", action="store_true", help="run the instances without a shared secret"
+    )
     soak.add_argument("--model", help="a local model directory (default: the tiny model)")
     soak.add_argument("--warm-up", type=int, default=64, help="flat-out warm-up requests")
     soak.add_argument(

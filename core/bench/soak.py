@@ -81,6 +81,7 @@ class Settings:
     max_model_len: int = 2048
     policy: str = "fail"  # kv_load_failure_policy of decode
     kv_extra: dict[str, Any] = field(default_factory=dict)  # more connector settings
+    insecure: bool = False  # no shared secret (the instances run with 'insecure')
     model: Path | None = None  # None: the tiny model, built on the spot
     warm_up: int = 64  # flat out, eight at a time: the deployment's throughput
     settle_max_s: float = 300.0  # then the mix at the run's rate, until RSS levels off
@@ -384,7 +385,8 @@ class Soak:
 
         self.out.mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="kvpush-soak-"))
-        self.cluster = Cluster(workdir, self.settings.model or cached_tiny_model())
+        model = self.settings.model or cached_tiny_model()
+        self.cluster = Cluster(workdir, model, insecure=self.settings.insecure)
         try:
             self._say("starting the servers")
             router = self._deploy()

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpush.demo.servers import ServerSpec, VllmServer
 from kvpush.errors import KVPushError
-from kvpush.vllm.config import ENV_SECRET, KV_ROLES, new_secret
+from kvpush.vllm.config import ENV_INSECURE, ENV_SECRET, KV_ROLES, new_secret
 
 
 def free_port(span: int = 1) -> int:
@@ -80,10 +80,13 @@ def kvpush_transfer_config(
 class Cluster:
     """Servers and a router under one work directory; stop() ends them all."""
 
-    def __init__(self, workdir: Path, model: Path, secret: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, model: Path, secret: str | None = None, insecure: bool = False
+    ) -> None:
         self.workdir = workdir
         self.model = model
-        self.secret = secret or new_secret()  # this deployment's own
+        # This deployment's own secret; none at all only when asked (a soak's baseline).
+        self.secret = "" if insecure else secret or new_secret()
         self.servers: dict[str, VllmServer] = {}
         self.identity_ports: dict[str, int] = {}
         self.routers: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -110,7 +113,7 @@ class Cluster:
             transfer = kvpush_transfer_config(role, mode, policy, **extra)
         spec = ServerSpec(
             name, model or self.model, free_port(), transfer, core=core,
-            env={ENV_SECRET: self.secret},
+            env={ENV_SECRET: self.secret} if self.secret else {ENV_INSECURE: "1"},
         )  # fmt: skip
         if dp > 1:
             spec.extra_args += ["--data-parallel-size", str(dp)]

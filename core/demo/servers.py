@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.errors import KVPushError
+from kvpush.vllm.config import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 
 MODEL_NAME = "tiny"
 
@@ -76,6 +77,9 @@ class VllmServer:
         )
         if self.spec.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.core)
+        if self.spec.env.get(ENV_INSECURE):  # no secret on purpose: none inherited either
+            env.pop(ENV_SECRET, None)
+            env.pop(ENV_SECRET_FILE, None)
         env.update(self.spec.env)
         return env
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import httpx
 
 from kvpush.demo.cluster import Cluster, kvpush_transfer_config
+from kvpush.vllm.config import ENV_INSECURE, ENV_SECRET
 
 
 def test_routers_start_restart_and_stop_without_leaking(tmp_path):
@@ -48,3 +49,14 @@ def test_ports_are_chosen_below_the_kernels_ephemeral_range_and_never_twice():
     low, _ = _ephemeral_range()
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
+
+
+def test_each_deployment_has_its_own_secret_and_an_insecure_one_has_none(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_SECRET, "inherited-from-the-shell-0123456789")
+    first, second = Cluster(tmp_path, tmp_path), Cluster(tmp_path, tmp_path)
+    assert first.secret and second.secret and first.secret != second.secret
+    env = first.add_server("p", "kv_producer", core=None).environment()
+    assert env[ENV_SECRET] == first.secret
+    bare = Cluster(tmp_path, tmp_path, insecure=True)
+    env = bare.add_server("p", "kv_producer", core=None).environment()
+    assert ENV_SECRET not in env and env[ENV_INSECURE] == "1"
