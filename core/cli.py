@@ -10,6 +10,23 @@ from collections.abc import Sequence
 from kvpush.errors import KVPushError
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """kvpush's reaches into the installed vLLM, probed without starting an engine."""
+    from kvpush.vllm.hooks import probe
+
+    rows = probe()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        state = "ok" if row["would_attach"] else f"OFF ({row['problem']})"
+        versions = ",".join(row["verified"])
+        print(f"{row['hook']:<20} vLLM {row['vllm']:<12} verified on {versions}: {state}")
+        if not row["would_attach"]:
+            print(f"{'':<20} costs: {row['cost_when_off']}")
+    return 0
+
+
 def _backends(args: argparse.Namespace) -> int:
     from kvpush.plugins import get_backends
 
@@ -204,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     backends = commands.add_parser("backends", help="list device backends and their devices")
     backends.add_argument("--json", action="store_true", help="one JSON document")
     backends.set_defaults(run=_backends)
+
+    doctor = commands.add_parser(
+        "doctor", help="check kvpush's hooks into the installed vLLM (without starting it)"
+    )
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(run=_doctor)
 
     bench = commands.add_parser("bench", help="benchmarks")
     benches = bench.add_subparsers(dest="bench", required=True)

@@ -17,33 +17,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvpush.vllm import hooks
 from kvpush.vllm.compat import warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
-from kvpush.vllm.frames import find_caller
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
-from kvpush.vllm.wake import engine_inbox
 from kvpush.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 _log_handler_installed = False
-
-
-def _callers_kv_role(extra_config: dict[str, Any]) -> str | None:
-    """The kv_role of the KVTransferConfig whose extra config vLLM asks about.
-
-    vLLM passes only the extra config to requires_piecewise_for_cudagraph; the
-    config object that holds it, and its role, is in a caller's frame."""
-
-    def holds_it(owner: Any) -> bool:
-        transfer = getattr(owner, "kv_transfer_config", None)
-        return getattr(transfer, "kv_connector_extra_config", None) is extra_config
-
-    owner = find_caller(holds_it)
-    return getattr(owner.kv_transfer_config, "kv_role", None) if owner is not None else None
 
 
 def _show_kvpush_logs() -> None:
@@ -94,9 +79,9 @@ class KVPushConnector(KVConnectorBase_V1):
                 data_parallel=data_parallel,
                 lockstep=parallel.data_parallel_size > 1,
             )
-            inbox = engine_inbox()  # vLLM's engine is being built: it is on the stack
-            if inbox is not None:
-                self._scheduler.doorbell.ring_on_put(inbox)
+            # vLLM's engine is being built: it is on the stack.
+            hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
+            hooks.RECORD.log_attached("scheduler")
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -212,12 +197,17 @@ class KVPushConnector(KVConnectorBase_V1):
         return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33: sleep mode moves the KV cache; NIXL keeps the old registration.
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layer-by-layer push runs Python after each layer, which a full CUDA graph
         # skips. Only a producer pushes: a pure consumer keeps its full graphs.
         if not ConnectorConfig.from_extra(extra_config).layerwise:
             return False
-        return _callers_kv_role(extra_config) != "kv_consumer"
+        return hooks.callers_kv_role(extra_config) != "kv_consumer"
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -114,11 +114,13 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     failed: dict[str, str] = field(default_factory=dict)
     # Rank -> its transfers per machine state ("producer.held": 2, ...), when changed.
     states: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Rank -> which of kvpush's vLLM hooks attached there (kvpush.vllm.hooks), once.
+    hooks: dict[int, dict[str, str]] = field(default_factory=dict)
 
     NOTES = ("landed", "kv_ready", "chunk_sent")  # each a spans milestone of that name
 
     def is_empty(self) -> bool:
-        if self.failed or self.states:
+        if self.failed or self.states or self.hooks:
             return False
         return not any(getattr(self, name) for name in self.NOTES)
 
@@ -132,4 +134,5 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
                 into[request_id] = max(mine.get(request_id, 0.0), theirs.get(request_id, 0.0))
         merged.failed = {**getattr(other, "failed", {}), **self.failed}
         merged.states = {**getattr(other, "states", {}), **self.states}
+        merged.hooks = {**getattr(other, "hooks", {}), **self.hooks}
         return merged

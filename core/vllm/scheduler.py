@@ -34,6 +34,7 @@ from kvpush.errors import ConfigError, ProtocolError
 from kvpush.kv_params import decode_params, prefill_echo
 from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
+from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, producer_allowed, rank_port
 from kvpush.vllm.identity import IdentityServer
@@ -122,6 +123,7 @@ class SchedulerSide:
         # arrive after): the last few thousand.
         self._failed_loads: OrderedDict[str, None] = OrderedDict()
         self._rank_states: dict[int, dict[str, int]] = {}  # worker rank -> its state counts
+        self._rank_hooks: dict[int, dict[str, str]] = {}  # worker rank -> its vLLM hooks
         self._local_hits: dict[str, int] = {}
         self._learnt_from: dict[str, str] = {}  # decode request id -> bootstrap address
         self._rejected: dict[str, str] = {}
@@ -133,9 +135,11 @@ class SchedulerSide:
         # DP ranks that step in lockstep (vLLM's MoE data parallel) meet in a collective
         # every few steps: one rank sleeping through an empty step would hold up the
         # others' real ones, so such ranks step as vLLM does.
-        self.idle_wait_s = 0.0 if lockstep else config.idle_wait_s
-        if lockstep and config.idle_wait_s:
-            log.info("kvpush: DP ranks step in lockstep here; empty steps do not wait")
+        if lockstep:
+            self.idle_wait_s = 0.0
+            hooks.RECORD.missed("idle_wait", "DP ranks step in lockstep here")
+        else:
+            self.idle_wait_s = hooks.idle_wait_allowed(config.idle_wait_s)
         self.spans = Spans()
         self._quiet_before = False  # the last step was empty and told the workers nothing
         self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
@@ -208,7 +212,13 @@ class SchedulerSide:
         for counts in list(self._rank_states.values()):
             for state, count in counts.items():
                 by_state[state] = by_state.get(state, 0) + count
-        return {**self.state(), "by_state": dict(sorted(by_state.items()))}
+        hooks_by_process = {"scheduler": hooks.RECORD.snapshot()}
+        hooks_by_process |= {f"worker{rank}": h for rank, h in sorted(self._rank_hooks.items())}
+        return {
+            **self.state(),
+            "by_state": dict(sorted(by_state.items())),
+            "hooks": hooks_by_process,
+        }
 
     def close(self) -> None:
         for server in (self.identity_server, self.bootstrap_server):
@@ -363,6 +373,7 @@ class SchedulerSide:
         for request_id, why in (getattr(worker_meta, "failed", None) or {}).items():
             self.spans.fail(request_id, why)
         self._rank_states.update(getattr(worker_meta, "states", None) or {})
+        self._rank_hooks.update(getattr(worker_meta, "hooks", None) or {})
         for milestone in KVPushWorkerMeta.NOTES:
             for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
                 self.spans.mark(request_id, milestone, wall)

@@ -8,8 +8,9 @@ core from the engine that does compute. The scheduler half instead waits on this
 doorbell in such a step, for at most `idle_wait_s`: a worker rings it the moment
 its Node has an outcome, so a landing is picked up at once. New requests and
 aborts ring it too: vLLM queues them in the engine's request queue until the step
-returns, so the doorbell watches that queue (`ring_on_put`). Where it cannot (an
-engine without that queue), the bound keeps them prompt.
+returns, so that queue rings an inbox_ringer() (the engine_inbox hook in
+kvpush.vllm.hooks). Where it cannot (an engine without that queue), the bound keeps
+them prompt.
 
 A loopback datagram per outcome: workers on the scheduler's host reach it; a
 worker on another host (multi-node TP) cannot, and the bound alone applies there.
@@ -18,12 +19,8 @@ worker on another host (multi-node TP) cannot, and the bound alone applies there
 from __future__ import annotations
 
 import contextlib
-import queue
 import select
 import socket
-from typing import Any
-
-from kvpush.vllm.frames import find_caller
 
 
 class Doorbell:
@@ -43,16 +40,10 @@ class Doorbell:
         self._drain()
         return bool(ready)
 
-    def ring_on_put(self, inbox: queue.Queue) -> None:
-        """Ring whenever anything is put in `inbox` (put_nowait goes through put too)."""
-        put = inbox.put
-        ringer = self._inbox_ringer = Ringer(self.port)
-
-        def put_and_ring(item: Any, block: bool = True, timeout: float | None = None) -> None:
-            put(item, block, timeout)
-            ringer.ring()
-
-        inbox.put = put_and_ring  # type: ignore[method-assign]
+    def inbox_ringer(self) -> Ringer:
+        """A ringer for the engine's request queue, closed with the doorbell."""
+        self._inbox_ringer = Ringer(self.port)
+        return self._inbox_ringer
 
     def _drain(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -81,10 +72,3 @@ class Ringer:
 
     def close(self) -> None:
         self._sock.close()
-
-
-def engine_inbox() -> queue.Queue | None:
-    """The request queue of the engine whose construction is on the stack (vLLM's
-    EngineCoreProc.input_queue: requests, aborts and utility calls), if any."""
-    owner = find_caller(lambda o: isinstance(getattr(o, "input_queue", None), queue.Queue))
-    return owner.input_queue if owner is not None else None

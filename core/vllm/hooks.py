@@ -1,0 +1,353 @@
+"""Every reach into vLLM past its connector contract, in this one module.
+
+KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
+objects around them. kvpush reaches past it five times, each a Hook below: what it
+touches, the vLLM versions it was read and tested against, and what a deployment
+pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
+vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
+
+Each process records what attached. A hook that did not is a WARNING naming its
+cost, once; the scheduler logs one INFO line of what did. `/kvpush/state?detail=1`
+shows the scheduler's record and each worker rank's; `kvpush doctor` probes the
+installed vLLM without starting an engine.
+
+Parking (why it exists): vLLM's multiprocess executor hands each step to its workers
+through a shared-memory queue whose readers spin (sched_yield) for a second after
+every read before they sleep on the queue's socket (`SpinCondition.busy_loop_s` in
+shm_broadcast). While every request waits for a transfer, the scheduler steps only
+when the doorbell rings (kvpush.vllm.wake), and a worker spinning through those waits
+costs a whole core, on a shared machine the other engine's. So when the scheduler
+says it is about to wait, the worker marks its queue read long ago: its next read
+sleeps on the socket, which the next step's write wakes. That wake-up can be lost:
+the writer's notify socket keeps one message in flight (send high-water mark 1) and
+ZeroMQ learns the previous one left only when it next processes its commands, so two
+steps written close together can lose the second notify. vLLM's own readers spin
+through such bursts; a parked one does not, so parking also shortens vLLM's recheck
+interval (SHM_READER_RECHECK_INTERVAL_MS) to PARKED_RECHECK_MS, and the first step
+that is not parked puts vLLM's back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from kvpush.vllm import CONNECTOR_MODULE, CONNECTOR_NAME
+
+log = logging.getLogger(__name__)
+
+# A lost notify costs a parked worker at most this; an idle parked worker wakes this
+# often to look (about 100 cheap checks a second, and only while parked).
+PARKED_RECHECK_MS = 10
+_RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    reaches: str  # the private thing it touches
+    verified: tuple[str, ...]  # vLLM version prefixes it was read and tested against
+    risky: bool  # it changes vLLM's state: off on a vLLM it was not verified on
+    cost: str  # what a deployment pays where it is absent
+
+
+HOOKS = {
+    hook.name: hook
+    for hook in (
+        Hook(
+            "connector_registry",
+            "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory._registry",
+            ("0.32", "0.33"),
+            False,
+            "registering twice raises: KVPushConnector may not be nameable in "
+            "--kv-transfer-config (name kv_connector_module_path instead)",
+        ),
+        Hook(
+            "caller_kv_role",
+            "the KVTransferConfig in a caller's frame of requires_piecewise_for_cudagraph",
+            ("0.32", "0.33"),
+            False,
+            "a decode with layerwise on runs piecewise CUDA graphs, not full ones",
+        ),
+        Hook(
+            "engine_inbox",
+            "EngineCoreProc.input_queue.put, wrapped to ring the doorbell",
+            ("0.32", "0.33"),
+            True,
+            "a request or abort reaching an engine that waits on transfers is seen "
+            "only after idle_wait_s",
+        ),
+        Hook(
+            "idle_wait",
+            "vLLM's engine loop, held in build_connector_meta while only transfers can "
+            "change anything",
+            ("0.32", "0.33"),
+            True,
+            "an engine whose requests all wait for transfers runs about a thousand "
+            "empty steps a second",
+        ),
+        Hook(
+            "park_workers",
+            "a worker's rpc_broadcast_mq._spin_condition.last_read and "
+            "shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS",
+            ("0.32", "0.33"),
+            True,
+            "decode's waiting workers spin, about a core each, while requests wait for KV",
+        ),
+    )
+}
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "unknown"
+
+
+def verified(hook: Hook, version: str | None = None) -> bool:
+    return (version or vllm_version()).startswith(hook.verified)
+
+
+class Record:
+    """What attached in this process: hook name -> "attached" or "off: why"."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.states: dict[str, str] = {}
+
+    def attached(self, name: str) -> None:
+        with self._lock:
+            self.states[name] = "attached"
+
+    def missed(self, name: str, why: str) -> None:
+        hook = HOOKS[name]
+        with self._lock:
+            first = name not in self.states
+            self.states[name] = f"off: {why}"
+        if first:
+            log.warning("kvpush: vLLM hook %s is off (%s): %s", name, why, hook.cost)
+
+    def allowed(self, name: str) -> bool:
+        """Whether a risky hook may try to attach on this vLLM (else recorded off)."""
+        hook = HOOKS[name]
+        if hook.risky and not verified(hook):
+            self.missed(name, f"vLLM {vllm_version()} is not among {', '.join(hook.verified)}")
+            return False
+        return True
+
+    def log_attached(self, where: str) -> None:
+        with self._lock:
+            on = sorted(name for name, state in self.states.items() if state == "attached")
+        log.info("kvpush: vLLM %s, %s hooks attached: %s", vllm_version(), where, on or "none")
+
+    def snapshot(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self.states)
+
+
+RECORD = Record()  # this process's
+
+
+def find_caller(test: Callable[[Any], bool]) -> Any | None:
+    """The `self` of the nearest frame up the stack that passes `test`, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and test(owner):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+# -- connector_registry (every process, from the vllm.general_plugins entry point) -----
+
+
+def register_connector() -> None:
+    """Make "KVPushConnector" nameable in --kv-transfer-config; harmless twice."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if registry is None:
+        RECORD.missed("connector_registry", "KVConnectorFactory has no _registry")
+    elif CONNECTOR_NAME in registry:
+        return
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    except ValueError:  # already registered, and no registry to have told us
+        return
+    if registry is not None:
+        RECORD.attached("connector_registry")
+
+
+# -- caller_kv_role (scheduler process, when vLLM picks the CUDA graph mode) -----------
+
+
+def callers_kv_role(extra_config: dict[str, Any]) -> str | None:
+    """The kv_role of the KVTransferConfig whose extra config vLLM asks about (vLLM
+    passes only the extra config), or None if no caller holds it."""
+
+    def holds_it(owner: Any) -> bool:
+        transfer = getattr(owner, "kv_transfer_config", None)
+        return getattr(transfer, "kv_connector_extra_config", None) is extra_config
+
+    owner = find_caller(holds_it)
+    if owner is None:
+        RECORD.missed("caller_kv_role", "no caller holds the KVTransferConfig")
+        return None
+    RECORD.attached("caller_kv_role")
+    return getattr(owner.kv_transfer_config, "kv_role", None)
+
+
+# -- engine_inbox (scheduler process, while vLLM builds the engine) --------------------
+
+
+def ring_on_engine_inbox(ring: Callable[[], None]) -> bool:
+    """Call `ring` whenever vLLM's engine queues a request, abort or utility call
+    (EngineCoreProc.input_queue; put_nowait goes through put). True if attached."""
+    if not RECORD.allowed("engine_inbox"):
+        return False
+    owner = find_caller(lambda o: isinstance(getattr(o, "input_queue", None), queue.Queue))
+    if owner is None:
+        RECORD.missed("engine_inbox", "no engine with an input_queue on the stack")
+        return False
+    inbox = owner.input_queue
+    put = inbox.put
+
+    def put_and_ring(item: Any, block: bool = True, timeout: float | None = None) -> None:
+        put(item, block, timeout)
+        ring()
+
+    inbox.put = put_and_ring  # type: ignore[method-assign]
+    RECORD.attached("engine_inbox")
+    return True
+
+
+# -- idle_wait (scheduler process) ------------------------------------------------------
+
+
+def idle_wait_allowed(idle_wait_s: float) -> float:
+    """The engine-loop wait to use: `idle_wait_s`, or 0 where the hook is off."""
+    if not idle_wait_s:
+        RECORD.missed("idle_wait", "idle_wait_s is 0")
+        return 0.0
+    if not RECORD.allowed("idle_wait"):
+        return 0.0
+    RECORD.attached("idle_wait")
+    return idle_wait_s
+
+
+# -- park_workers (worker processes) ----------------------------------------------------
+
+
+class Parking:
+    """A worker's step queue, parked and unparked by the step's metadata."""
+
+    def __init__(self, spin: Any | None, queue_module: ModuleType | None = None) -> None:
+        self._spin = spin
+        self._module = queue_module if hasattr(queue_module, _RECHECK) else None
+        self._vllm_recheck = getattr(self._module, _RECHECK, None)
+
+    @classmethod
+    def find(cls) -> Parking:
+        """The calling worker's step queue, from the frames above this call (vLLM's
+        worker loop owns it, and calls register_kv_caches)."""
+        if not RECORD.allowed("park_workers"):
+            return cls(None)
+        owner = find_caller(lambda o: _spin_condition(o) is not None)
+        if owner is None:
+            # GPUs with one worker run it in the engine process: no queue to park on.
+            RECORD.missed("park_workers", "no multiprocess step queue on the stack")
+            return cls(None)
+        spin = _spin_condition(owner)
+        module = sys.modules.get(type(spin).__module__)
+        if not hasattr(module, _RECHECK):
+            # Parking without a short recheck could hang a worker on a lost notify.
+            RECORD.missed("park_workers", f"vLLM's step queue has no {_RECHECK}")
+            return cls(None)
+        RECORD.attached("park_workers")
+        return cls(spin, module)
+
+    @property
+    def available(self) -> bool:
+        return self._spin is not None
+
+    def park(self) -> None:
+        """Sleep on the socket, not spin, while waiting for the next step; look again
+        every PARKED_RECHECK_MS in case that step's notify was lost."""
+        if self._spin is None:
+            return
+        self._spin.last_read = float("-inf")
+        if self._module is not None:
+            setattr(self._module, _RECHECK, min(PARKED_RECHECK_MS, self._vllm_recheck))
+
+    def unpark(self) -> None:
+        """A step with work came: vLLM's own spinning and recheck interval apply again."""
+        if self._module is not None:
+            setattr(self._module, _RECHECK, self._vllm_recheck)
+
+
+def _spin_condition(owner: Any) -> Any | None:
+    """The spin condition of `owner`'s step queue, if it has one that parks."""
+    spin = getattr(getattr(owner, "rpc_broadcast_mq", None), "_spin_condition", None)
+    return spin if hasattr(spin, "last_read") and hasattr(spin, "busy_loop_s") else None
+
+
+# -- kvpush doctor -----------------------------------------------------------------------
+
+
+def probe() -> list[dict[str, Any]]:
+    """Each hook against the installed vLLM, without starting an engine: whether its
+    version was verified, and whether the targets that can be seen statically exist."""
+    version = vllm_version()
+    rows = []
+    for hook in HOOKS.values():
+        problem = _static_problem(hook.name)
+        ok = verified(hook, version) or not hook.risky
+        rows.append({
+            "hook": hook.name, "reaches": hook.reaches, "verified": list(hook.verified),
+            "vllm": version, "would_attach": ok and not problem,
+            "problem": problem or ("" if ok else f"vLLM {version} not verified"),
+            "cost_when_off": hook.cost,
+        })  # fmt: skip
+    return rows
+
+
+def _static_problem(name: str) -> str:
+    try:
+        if name == "connector_registry":
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+            return "" if hasattr(KVConnectorFactory, "_registry") else "no _registry"
+        if name == "park_workers":
+            from vllm.distributed.device_communicators import shm_broadcast
+
+            if not hasattr(shm_broadcast, _RECHECK):
+                return f"shm_broadcast has no {_RECHECK}"
+            spin = getattr(shm_broadcast, "SpinCondition", None)
+            source = _source(spin)
+            return "" if "last_read" in source and "busy_loop_s" in source else "no SpinCondition"
+        if name == "engine_inbox":
+            from vllm.v1.engine.core import EngineCoreProc
+
+            return "" if "self.input_queue" in _source(EngineCoreProc) else "no input_queue"
+    except Exception as exc:  # vLLM missing or reshaped
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _source(obj: Any) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(obj) if obj is not None else ""
+    except (OSError, TypeError):
+        return ""
