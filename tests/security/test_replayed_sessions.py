@@ -12,31 +12,16 @@ each session's keys come from both sides' fresh nonces.
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 
 import msgspec
-import numpy as np
 import pytest
+from host_nodes import HEADER, host_node
 
-from kvpush.node import Node, NodeConfig
-from kvpush.plugins import Backends
 from kvpush.protocol.messages import AgentMetadata, Hello, decode
 
 pytestmark = pytest.mark.nixl
-
-SECRET = b"the-deployment-secret-0123456789"
-HEADER = struct.Struct("!I")
-
-
-def _node(role: str, engine: str, **config) -> Node:
-    backends = Backends(["host"])
-    buf = np.zeros((2, 8, 4096), dtype=np.uint8)
-    kv = backends.describe({f"layer.{i}": buf[i] for i in range(2)}, ("blocks", "bytes"))
-    node = Node(NodeConfig(engine, role, secret=SECRET, **config), kv, backends).start()
-    node._buffers = buf  # kept alive with the node
-    return node
 
 
 def _split(data: bytes) -> list[bytes]:
@@ -102,8 +87,8 @@ def _read_until_closed(sock: socket.socket, seconds: float = 15.0) -> bytes:
 def recorded():
     """One real session's frames: decode -> prefill and prefill -> decode, and the
     prefill's boot epoch."""
-    producer = _node("producer", "prefill-engine")
-    decode_node = _node("consumer", "decode-engine")
+    producer = host_node("producer", "prefill-engine")
+    decode_node = host_node("consumer", "decode-engine")
     proxy = _Recorder(producer.address)
     try:
         decode_node.expect("t1", proxy.address, [1, 2], engine="prefill-engine")
@@ -128,7 +113,7 @@ def recorded():
 
 def test_a_decodes_recorded_frames_replayed_to_a_live_prefill_open_nothing(recorded):
     to_producer, _, _ = recorded
-    producer = _node("producer", "prefill-engine")
+    producer = host_node("producer", "prefill-engine")
     try:
         for order in (to_producer, [to_producer[0], *reversed(to_producer[1:])]):
             host, _, port = producer.address.rpartition(":")
@@ -169,7 +154,7 @@ def test_a_prefills_recorded_frames_replayed_to_a_decode_get_none_of_its_memory(
 
     thread = threading.Thread(target=play_back, daemon=True)
     thread.start()
-    decode_node = _node("consumer", "decode-engine")
+    decode_node = host_node("consumer", "decode-engine")
     try:
         epoch = "0badc0de" if leg_names == "the new boot" else old_epoch
         decode_node.expect("t1", address, [1, 2], engine="prefill-engine", epoch=epoch)
