@@ -81,6 +81,8 @@ class KVPushConnector(KVConnectorBase_V1):
             )
             # vLLM's engine is being built: it is on the stack.
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
+            if config.park_workers:
+                hooks.prepare_step_notify()
             hooks.RECORD.log_attached("scheduler")
         else:
             from vllm.distributed.parallel_state import (

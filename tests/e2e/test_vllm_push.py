@@ -400,7 +400,7 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     _both_drained(cluster, client)
     # What made the wait cheap: vLLM hooks (kvpush.vllm.hooks), each attached.
     hooks = client.http.get(identity_url + "/kvpush/state?detail=1").json()["hooks"]
-    for name in ("connector_registry", "engine_inbox", "idle_wait"):
+    for name in ("connector_registry", "engine_inbox", "idle_wait", "step_notify"):
         assert hooks["scheduler"].get(name) == "attached", hooks
     assert hooks["worker0"]["park_workers"] == "attached", hooks
 

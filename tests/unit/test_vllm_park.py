@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 
 from vllm.distributed.device_communicators import shm_broadcast
 
+from kvpush.vllm import hooks
 from kvpush.vllm.hooks import PARKED_RECHECK_MS, Parking
 
 VLLM_RECHECK_MS = shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
@@ -66,6 +68,58 @@ def _read_after_lost_notify(writer, reader, delay: float = 0.05) -> float:
         return time.monotonic() - started - delay
     finally:
         writer._spin_condition.notify = notify
+
+
+class _Engine:
+    """Stands where vLLM's engine core stands when it builds its scheduler (and so the
+    connector): its executor, holding the step queue's writing end, is built."""
+
+    def __init__(self, writer) -> None:
+        self.model_executor = SimpleNamespace(rpc_broadcast_mq=writer)
+        self.attached = hooks.prepare_step_notify()
+
+
+def _second_step_delays(writer, reader, pairs: int, gap_s: float) -> list[float]:
+    """Pairs of steps written `gap_s` apart to a reader that sleeps on the notify
+    socket between reads, as a parked worker does: how late each second step was read."""
+    reader._spin_condition.busy_loop_s = 0
+    read_at: list[float] = []
+
+    def read_all() -> None:
+        for _ in range(2 * pairs):
+            reader.dequeue(indefinite=True)
+            read_at.append(time.monotonic())
+
+    reading = threading.Thread(target=read_all)
+    reading.start()
+    written_at = []
+    for i in range(pairs):
+        writer.enqueue(("first", i))
+        until = time.monotonic() + gap_s
+        while time.monotonic() < until:
+            pass
+        writer.enqueue(("second", i))
+        written_at.append(time.monotonic())
+        deadline = time.monotonic() + 5  # no next write wakes it: only the notify or a recheck
+        while len(read_at) < 2 * (i + 1) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.005)  # the reader goes back to sleep on the socket
+    reading.join(timeout=pairs * 2.0 + 10)
+    return [read_at[2 * i + 1] - written_at[i] for i in range(pairs)]
+
+
+def test_two_steps_a_fifth_of_a_millisecond_apart_both_wake_a_sleeping_worker(queue, monkeypatch):
+    """vLLM's notify socket keeps one message in flight and learns the last one left
+    only when it next processes its commands; a step written within that moment
+    loses its notify, and a sleeping reader sees it only at its recheck. The
+    step_notify hook has the socket process its commands before each send."""
+    writer, reader = queue
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 1000)
+    monkeypatch.setattr(hooks, "RECORD", hooks.Record())
+    assert _Engine(writer).attached
+    delays = _second_step_delays(writer, reader, pairs=40, gap_s=0.0002)
+    late = [round(d, 3) for d in delays if d > 0.2]
+    assert not late, f"{len(late)} of 40 second steps waited for the recheck: {late}"
 
 
 def test_find_reaches_the_worker_loops_queue_and_its_module(queue):
