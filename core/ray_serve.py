@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
 
-from kvpush.demo.cluster import free_port
+from kvpush.ports import free_port
 from kvpush.router.legs import prefill_leg
 from kvpush.vllm.config import ENV_SECRET, new_secret
 

@@ -179,7 +179,7 @@ class Deployment:
 
     def _upstream(self, name: str, role: str, cpus: str, connector: str) -> int:
         """An instance with one of vLLM's own NIXL connectors: its side-channel port."""
-        from kvpush.demo.cluster import free_port
+        from kvpush.ports import free_port
 
         server = self.cluster.add_server(name, None, core=cpus)
         server.spec.kv_transfer_config = {

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.identities import dp_siblings
 from kvpush.kv_params import identity_from_decode_params
 from kvpush.metrics import Metrics
 from kvpush.router.instances import Instance, Pool, pairing_problem
@@ -29,7 +30,6 @@ from kvpush.router.legs import (
     openai_error,
     prefill_leg,
 )
-from kvpush.vllm.bootstrap import dp_siblings
 
 log = logging.getLogger(__name__)
 

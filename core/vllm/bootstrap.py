@@ -22,38 +22,21 @@ whose `GET /query` answers the identity itself.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.identities import fetch_query
+
 CACHE_S = 10.0  # how long a learnt identity is used before it is asked for again
 RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
-TIMEOUT_S = 3.0
-MAX_ANSWER = 1 << 20  # bytes: a thousand DP ranks' identities fit
 MAX_ENTRIES = 256  # endpoints' answers kept (the least recently asked go first)
 MAX_ASKING = 32  # endpoints being asked at once
 QUERY_THREADS = 2
-
-
-def mooncake_query(identities: list[dict[str, Any]]) -> dict[str, Any]:
-    """This instance as Mooncake's bootstrap `GET /query` answers it: one entry per
-    data-parallel rank (each rank is its own engine, `<engine id>_dp<rank>`)."""
-    answer = {}
-    for identity in identities:
-        workers = {str(r): {"0": f"tcp://{a}"} for r, a in enumerate(identity["addresses"])}
-        answer[str(identity.get("dp_rank", 0))] = {
-            "engine_id": identity["engine_id"],
-            "worker_addr": workers,
-            "kvpush": identity,
-        }
-    return answer
 
 
 class LegError(Exception):
@@ -79,7 +62,7 @@ class BootstrapResolver:
     and the caller asks again (vLLM asks again while `get_num_new_matched_tokens`
     says None). Decode legs name these endpoints, so what they cost is bounded: the
     last MAX_ENTRIES answers are kept, MAX_ASKING queries may wait, and an answer is
-    read up to MAX_ANSWER bytes.
+    read up to kvpush.identities.MAX_ANSWER bytes.
     """
 
     def __init__(
@@ -185,48 +168,3 @@ def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any
         f"bootstrap server {address} serves engine(s) {engines}, not {engine_id!r} "
         "that the decode leg names",
     )
-
-
-def fetch_query(address: str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
-    """A bootstrap server's GET /query answer (at most MAX_ANSWER bytes of it), read
-    within about `timeout` seconds in all: the socket's timeout bounds each read
-    only, and a server trickling a byte at a time would otherwise hold a query
-    thread for as long as it liked."""
-    deadline = time.monotonic() + timeout
-    with urllib.request.urlopen(address.rstrip("/") + "/query", timeout=timeout) as response:
-        body = b""
-        while len(body) <= MAX_ANSWER:
-            chunk = response.read1(MAX_ANSWER + 1 - len(body))
-            if not chunk:
-                break
-            body += chunk
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"/query took longer than {timeout:g}s to answer")
-    if len(body) > MAX_ANSWER:
-        raise ValueError(f"/query answered more than {MAX_ANSWER} bytes")
-    answer = json.loads(body)
-    if not isinstance(answer, dict):
-        raise ValueError(f"/query answered {type(answer).__name__}, not an object")
-    return answer
-
-
-def dp_siblings(identity_url: str, first: dict[str, Any], most: int = 256) -> list[dict[str, Any]]:
-    """The identities of DP ranks 1, 2, ... of the instance whose DP rank 0 answers at
-    `identity_url` (http://host:port) with `first`: each at the next port, until a port
-    does not answer with a sibling (vLLM names DP rank d's engine `<base>_dp<d>`).
-    None for an instance that is not data parallel."""
-    if not first.get("data_parallel"):
-        return []
-    parts = urllib.parse.urlsplit(identity_url)
-    base = str(first["engine_id"]).removesuffix("_dp0")
-    found = []
-    for rank in range(1, most):
-        url = f"{parts.scheme}://{parts.hostname}:{(parts.port or 0) + rank}"
-        try:
-            identity = fetch_query(url)
-        except (OSError, ValueError):
-            break
-        if identity.get("engine_id") != f"{base}_dp{rank}":
-            break
-        found.append(identity)
-    return found

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.errors import ConfigError, ProtocolError
+from kvpush.identities import dp_siblings, mooncake_query
 from kvpush.kv_params import decode_params, prefill_echo
 from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm import hooks
-from kvpush.vllm.bootstrap import BootstrapResolver, LegError, dp_siblings, mooncake_query
+from kvpush.vllm.bootstrap import BootstrapResolver, LegError
 from kvpush.vllm.config import ConnectorConfig, producer_allowed, rank_port
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import (

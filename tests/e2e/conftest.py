@@ -20,9 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpush.demo.cluster import Cluster, free_port
+from kvpush.demo.cluster import Cluster
 from kvpush.demo.servers import MODEL_NAME
 from kvpush.demo.tinymodel import build_tiny_model
+from kvpush.ports import free_port
 
 # What a sequential orchestrator (Ray Serve LLM, vllm-router's nixl mode, llm-d's
 # nixlv2, Dynamo) sends a prefill instance: upstream NixlConnector's shape, no transfer id.

@@ -25,8 +25,8 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnector
 from ray.serve.llm import build_pd_openai_app
 
 import kvpush.ray_serve
-from kvpush.demo.cluster import free_port
 from kvpush.demo.servers import MODEL_NAME
+from kvpush.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

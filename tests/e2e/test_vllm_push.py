@@ -25,8 +25,8 @@ from conftest import (
 )
 
 from kvpush.bench.cpu import tree_cpu_seconds
-from kvpush.demo.cluster import free_port
 from kvpush.demo.servers import MODEL_NAME
+from kvpush.ports import free_port
 
 # Servers take minutes to start on 2 cores; the first test pays for the session.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]

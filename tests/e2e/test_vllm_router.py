@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, perturbed_copy, prompt
 
-from kvpush.demo.cluster import free_port
+from kvpush.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import DECODE_TIMERS, prompt
 
-from kvpush.demo.cluster import free_port
+from kvpush.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

