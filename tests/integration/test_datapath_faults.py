@@ -1,5 +1,8 @@
 """Random data-path faults over real NIXL: every transfer still ends, once.
 
+Short leases (5 s): a transfer whose pairing failed is held by prefill for its lease
+(prefill cannot know decode gave up), and the test waits that out each time.
+
 A prefill and a decode Node, each in its own process, move rounds of transfers while
 kvpush.node.faults makes their NIXL and device calls (prepare, post, check, release,
 stage, fence) raise or hang at random, seeded. Each round reuses the same blocks
@@ -24,8 +27,11 @@ import pytest
 
 pytestmark = pytest.mark.nixl
 
-TIMERS = {"write_grace_s": 1.0, "watchdog_s": 6.0, "heartbeat_s": 0.5, "landing_s": 2.0}
-ROUNDS = 12
+TIMERS = {
+    "write_grace_s": 1.0, "watchdog_s": 6.0, "heartbeat_s": 0.5, "landing_s": 2.0,
+    "lease_s": 5.0, "registration_ttl_s": 5.0,
+}  # fmt: skip
+ROUNDS = 20
 PER_ROUND = 6
 RATE = 0.1
 
