@@ -52,14 +52,3 @@ class ProtocolError(KVPushError):
 
 class AuthError(ProtocolError):
     """A message failed authentication or was replayed."""
-
-
-class TransferFailed(KVPushError):
-    """A KV transfer ended without the bytes arriving. `reason` is machine-readable."""
-
-    def __init__(self, transfer_id: str, reason: str, detail: str = "") -> None:
-        self.transfer_id = transfer_id
-        self.reason = reason
-        self.detail = detail
-        suffix = f": {detail}" if detail else ""
-        super().__init__(f"transfer {transfer_id!r} failed ({reason}){suffix}")

@@ -1,7 +1,7 @@
 """CUDA backend hooks: GPU KV tensors as VRAM regions, CUDA events as fences.
 
 Everything CUDA-specific goes through kvpush_cuda.runtime (torch.cuda, imported on
-first use); the layout is read from the live tensors by kvpush.layout.
+first use); the layout is read from the live tensors by kvpush.backend.describe.
 
 device_options the backend reads (the `config` of describe and prepare_process):
   staging: "off" (default; NIXL reads GPU memory directly, "auto" means the same) or

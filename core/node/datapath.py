@@ -19,7 +19,7 @@ import numpy as np
 from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError, TransportError
 from kvpush.layout import BlockTable, KVLayout, Unit, plan, units
-from kvpush.node.interpreter import Counter, Settled
+from kvpush.node.interpreter import MetricsSink, Settled
 from kvpush.plugins import Backends
 from kvpush.protocol import actions as act
 from kvpush.protocol.messages import join_notifs
@@ -77,7 +77,7 @@ class DataPath:
         agent: NixlAgent,  # or a test's fake with the same methods
         kv: DeviceKV,
         backends: Backends,
-        metrics: Counter,
+        metrics: MetricsSink,
         write_grace_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

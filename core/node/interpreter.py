@@ -80,7 +80,7 @@ class DataPort(Protocol):
     def drop_fences(self, transfer_id: str) -> None: ...
 
 
-class Counter(Protocol):
+class MetricsSink(Protocol):
     """Where counts go: kvpush.metrics.Metrics, or a test's recorder."""
 
     def inc(self, name: str, value: float = 1, **labels: str) -> None: ...
@@ -98,7 +98,7 @@ class Interpreter:
         links: LinkPort,
         data: DataPort,
         publish: Callable[[Outcome], None],
-        metrics: Counter,
+        metrics: MetricsSink,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:

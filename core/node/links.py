@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from kvpush.errors import KVPushError, ProtocolError
 from kvpush.layout import KVLayout
 from kvpush.node.datapath import DataPath
-from kvpush.node.interpreter import Counter
+from kvpush.node.interpreter import MetricsSink
 from kvpush.protocol.auth import Session
 from kvpush.protocol.handshake import layout_problem, pairing_problem, unexpected_producer
 from kvpush.protocol.messages import AgentMetadata, Hello, Message, Reject, Verify
@@ -79,7 +79,7 @@ class Links:
         events: LinkEvents,
         my_hello: Callable[[Session], Hello],
         secret: bytes,
-        metrics: Counter,
+        metrics: MetricsSink,
         connect_timeout_s: float,
         handshake_s: float = HANDSHAKE_S,
     ) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.errors import KVPushError
 from kvpush.identities import dp_siblings
 from kvpush.kv_params import identity_from_decode_params
 from kvpush.metrics import Metrics
@@ -47,7 +48,7 @@ ANSWERED: Any = _RequestKey("kvpush_answered", bool) if _RequestKey else "kvpush
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
-class LegError(Exception):
+class LegFailed(KVPushError):
     """A leg failed; `status` and `message` are what the client is told. `instance`
     is the one that failed, if one did (not the client's own request)."""
 
@@ -198,7 +199,7 @@ class Router:
         self.metrics.inc("router_in_flight")
         try:
             return await self._dispatch_with_retry(request, endpoint, body, headers)
-        except LegError as exc:
+        except LegFailed as exc:
             return self._error(endpoint, exc.status, exc.message, exc.kind)
         finally:
             self.metrics.inc("router_in_flight", -1)
@@ -229,7 +230,7 @@ class Router:
                 for instance in (prefill, decode):
                     self.metrics.inc("instance_outcomes", instance=instance.url, outcome="ok")
                 return response
-            except LegError as exc:
+            except LegFailed as exc:
                 if exc.instance is None:
                     raise
                 self.metrics.inc("instance_outcomes", instance=exc.instance.url, outcome="failed")
@@ -313,7 +314,7 @@ class Router:
         if self.config.mode == "push" and not prefill.ranks and prefill.identity_url:
             try:
                 await self._learn_identity(prefill)
-            except LegError as exc:
+            except LegFailed as exc:
                 log.warning("kvpush router: %s", exc.message)
             self._refuse_unpairable(prefill, decode)
         if self.config.mode == "pull" or not prefill.ranks:
@@ -324,7 +325,7 @@ class Router:
             trace.mark("prefill_answered")
             echo = identity_from_decode_params(answer.get("kv_transfer_params") or {})
             if echo is None:
-                raise LegError(
+                raise LegFailed(
                     502,
                     f"prefill instance {prefill.url} answered without a kvpush identity: is "
                     "it running KVPushConnector? (an upstream NixlConnector cannot pair)",
@@ -396,13 +397,13 @@ class Router:
                 if response.status >= 400:
                     self.metrics.inc("leg_failures", leg=instance.role, why=str(response.status))
                     message = _upstream_message(instance, text)
-                    raise LegError(response.status, message, instance=instance)
+                    raise LegFailed(response.status, message, instance=instance)
                 return json.loads(text)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.inc("leg_failures", leg=instance.role, why=_why(exc))
             instance.forget()  # it may come back as a new incarnation: ask again
             message = f"{instance.role} instance {instance.url} failed: {_describe(exc)}"
-            raise LegError(502, message, instance=instance) from exc
+            raise LegFailed(502, message, instance=instance) from exc
 
     async def _relay(
         self,
@@ -424,7 +425,7 @@ class Router:
                     text = (await response.read()).decode(errors="replace")
                     self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
                     message = _upstream_message(decode, text)
-                    failure = LegError(response.status, message, instance=decode)
+                    failure = LegFailed(response.status, message, instance=decode)
                     raise await self._kvpush_reason(decode, leg, failure)
                 if not leg.get("stream"):
                     payload = await response.read()
@@ -436,7 +437,7 @@ class Router:
                             f"decode instance {decode.url} ended its answer early "
                             f"({len(payload)} bytes, not a whole JSON object)"
                         )
-                        raise LegError(502, message, instance=decode)
+                        raise LegFailed(502, message, instance=decode)
                     trace.mark("first_byte")
                     self.metrics.inc("requests", endpoint=endpoint, status="200")
                     return web.Response(body=payload, content_type="application/json")
@@ -468,7 +469,7 @@ class Router:
                 return self._stream_cut(stream, decode, endpoint, exc)
             self.metrics.inc("leg_failures", leg="decode", why=_why(exc))
             message = f"decode instance {decode.url} failed: {_describe(exc)}"
-            raise LegError(502, message, instance=decode) from exc
+            raise LegFailed(502, message, instance=decode) from exc
 
     def _stream_cut(
         self, stream: web.StreamResponse, decode: Instance, endpoint: str, exc: BaseException
@@ -498,12 +499,12 @@ class Router:
             instance.identity_asked = now
             try:
                 await self._learn_identity(instance)
-            except LegError as exc:
+            except LegFailed as exc:
                 log.warning("kvpush router: %s", exc.message)
 
     async def _kvpush_reason(
-        self, decode: Instance, leg: dict[str, Any], failure: LegError
-    ) -> LegError:
+        self, decode: Instance, leg: dict[str, Any], failure: LegFailed
+    ) -> LegFailed:
         """A decode leg that failed on the server side: if kvpush failed it (its KV
         could not be loaded), the decode instance's trace says why, and the client is
         told that rather than vLLM's bare "Internal server error"."""
@@ -523,7 +524,7 @@ class Router:
             return failure
         self.metrics.inc("kv_load_failures")
         message = f"decode instance {decode.url} could not load the prompt's KV: {reasons[-1]}"
-        return LegError(failure.status, message, "kv_transfer_error", instance=decode)
+        return LegFailed(failure.status, message, "kv_transfer_error", instance=decode)
 
     def _pair_problem(self, prefill: Instance, decode: Instance) -> str | None:
         mine, theirs = prefill.any_identity(), decode.any_identity()
@@ -538,7 +539,7 @@ class Router:
         problem = self._pair_problem(prefill, decode)
         if problem:
             self.metrics.inc("pairing_refusals")
-            raise LegError(502, problem, "pairing_error")
+            raise LegFailed(502, problem, "pairing_error")
 
     async def _learn_identity(self, instance: Instance) -> None:
         """Ask the prefill instance's identity endpoint who it is. With data parallel
@@ -557,13 +558,13 @@ class Router:
             async with self._http().get(url) as response:
                 answer = await response.json()
         except (aiohttp.ClientError, ValueError) as exc:
-            raise LegError(
+            raise LegFailed(
                 502,
                 f"{instance.role} instance {instance.url} has no kvpush identity at {url} ({exc}): "
                 "is it running KVPushConnector with identity_port set?",
             ) from exc
         if not answer.get("kvpush"):
-            raise LegError(502, f"{url} is not a kvpush identity endpoint")
+            raise LegFailed(502, f"{url} is not a kvpush identity endpoint")
         if answer["transfer_mode"] != self.config.mode:
             log.warning(
                 "kvpush router: %s is in %s mode, the router in %s mode",
@@ -642,12 +643,12 @@ def _role_only(event: dict[str, Any]) -> bool:
     )
 
 
-def _error_event(decode: Instance, event: dict[str, Any]) -> LegError:
+def _error_event(decode: Instance, event: dict[str, Any]) -> LegFailed:
     """A decode stream whose first word is an error (vLLM's bare "Internal server
     error" for a KV load that failed): the leg failed, as if it had said so by status."""
     code = event["error"].get("code") if isinstance(event["error"], dict) else None
     status = code if isinstance(code, int) and 400 <= code < 600 else 502
-    return LegError(status, _upstream_message(decode, json.dumps(event)), instance=decode)
+    return LegFailed(status, _upstream_message(decode, json.dumps(event)), instance=decode)
 
 
 def _upstream_message(instance: Instance, text: str) -> str:

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.errors import KVPushError
 from kvpush.identities import fetch_query
 
 CACHE_S = 10.0  # how long a learnt identity is used before it is asked for again
@@ -39,7 +40,7 @@ MAX_ASKING = 32  # endpoints being asked at once
 QUERY_THREADS = 2
 
 
-class LegError(Exception):
+class LegError(KVPushError):
     """A decode leg the bootstrap server cannot complete: a reason for metrics, and
     a message for people."""
 

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from kvpush.vllm.bootstrap import MAX_ANSWER, BootstrapResolver, LegError, fetch_query
+from kvpush.identities import MAX_ANSWER, fetch_query
+from kvpush.vllm.bootstrap import BootstrapResolver, LegError
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
 
