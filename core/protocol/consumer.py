@@ -338,6 +338,7 @@ class Consumer:
         others bound to it, for the caller to end as its event says."""
         self._peers.pop(peer, None)
         self._held_cancels.pop(peer, None)
+        self._last_sent.pop(peer, None)
         bound = []
         for transfer in [t for t in self._transfers.values() if t.peer == peer]:
             if transfer.state == State.ANNOUNCED:
