@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 _log_handler_installed = False
 
 
+def _served_name(vllm_config: Any) -> str:
+    """The name clients ask this engine for: both legs of a request carry the same."""
+    name = getattr(vllm_config.model_config, "served_model_name", None) or ""
+    return str(name[0] if isinstance(name, list | tuple) and name else name)
+
+
 def _show_kvpush_logs() -> None:
     """vLLM configures only its own logger; let kvpush's INFO lines reach the server log."""
     global _log_handler_installed
@@ -78,6 +84,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 dp_rank=dp_rank,
                 data_parallel=data_parallel,
                 lockstep=parallel.data_parallel_size > 1,
+                model_name=_served_name(vllm_config),
             )
             # vLLM's engine is being built: it is on the stack.
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)

@@ -91,6 +91,7 @@ class SchedulerSide:
         data_parallel: bool = False,
         lockstep: bool = False,
         bootstrap: BootstrapResolver | None = None,
+        model_name: str = "",
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -113,7 +114,7 @@ class SchedulerSide:
         self.bootstrap = bootstrap or BootstrapResolver()
         self._said: set[str] = set()  # what was logged once already
         self.epoch = os.urandom(4).hex()
-        self._ids = EngineTransfers()
+        self._ids = EngineTransfers(model=model_name)
         self._producing: dict[str, _Producing] = {}
         self._admitted: set[str] = set()  # requests whose leg was looked at, once
         self._sending: set[str] = set()  # delay-freed prefill requests

@@ -56,8 +56,11 @@ def engine_transfer_id(base: str, digest: str, occurrence: int) -> str:
 class EngineTransfers:
     """Assigns each engine request its engine transfer id, in arrival order."""
 
-    def __init__(self, memory: int = _MEMORY) -> None:
+    def __init__(self, memory: int = _MEMORY, model: str = "") -> None:
         self._memory = memory
+        # The served model name: a prefill and a decode serving different models
+        # (two fine-tunes of one architecture share a KV layout) derive different ids.
+        self._model = model
         self._counts: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._of: dict[str, tuple[str, str | None]] = {}
 
@@ -69,7 +72,8 @@ class EngineTransfers:
         known = self._of.get(request.request_id)
         if known is not None:
             return known
-        digest = prompt_digest(request.prompt_token_ids or (), _digested(request))
+        extra = [*_digested(request), f"model:{self._model}"] if self._model else _digested(request)
+        digest = prompt_digest(request.prompt_token_ids or (), extra)
         key = (base, digest)
         seen = self._counts.setdefault(key, [])
         self._counts.move_to_end(key)

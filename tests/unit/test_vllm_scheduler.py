@@ -440,6 +440,18 @@ def test_two_lora_adapters_never_share_a_prompts_transfer():
     assert digest(SimpleNamespace(lora_name="sql", lora_int_id=2)) == sql
 
 
+def test_two_served_models_never_share_a_prompts_transfer():
+    """Two fine-tunes of one architecture share a KV layout: a prefill serving one
+    and a decode serving the other must not agree on a transfer."""
+
+    def tid(model: str) -> str:
+        request = SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3])
+        return EngineTransfers(model=model).assign(request, "x")[0]
+
+    assert tid("llama-sql") != tid("llama-chat")
+    assert tid("llama-sql") == tid("llama-sql")  # the same model on both legs agrees
+
+
 def test_the_echo_carries_upstream_nixl_fields_with_upstream_types():
     """What routers built for NixlConnector parse (vllm-router's NIXL mode forwards an
     echo only with remote_host and remote_port): upstream's keys and JSON types."""
