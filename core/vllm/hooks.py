@@ -74,10 +74,11 @@ HOOKS = {
         ),
         Hook(
             "caller_kv_role",
-            "the KVTransferConfig in a caller's frame of requires_piecewise_for_cudagraph",
+            "the KVTransferConfig in the frame of vLLM's call asking whether the "
+            "connector needs piecewise graphs",
             ("0.32", "0.33"),
             False,
-            "a decode with layerwise on runs piecewise CUDA graphs, not full ones",
+            "a decode with layerwise on runs piecewise graphs, not full ones",
         ),
         Hook(
             "engine_inbox",
