@@ -102,7 +102,9 @@ class SchedulerSide:
         self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
         # Since the last stats(), by reason: decode prompts computed here, and legs
         # whose other leg's params never came.
-        self.counts: dict[str, Counter[str]] = {"recomputed": Counter(), "orphaned": Counter()}
+        self.counts: dict[str, Counter[str]] = {
+            "recomputed": Counter(), "orphaned": Counter(), "refused": Counter(),
+        }  # fmt: skip
         # One of several DP ranks (vLLM runs each as an engine of its own): its ports
         # are offset by the rank, and DP rank 0 speaks for all in the bootstrap answer.
         self.dp_rank, self.data_parallel = dp_rank, data_parallel
@@ -475,6 +477,7 @@ class SchedulerSide:
         if found is not None:
             reason, problem = found
             self._rejected[request_id] = problem
+            self.counts["refused"][reason] += 1
             self.spans.begin(request_id, "decode", str(params.get("transfer_id", "")))
             self.spans.fail(request_id, f"{reason}: {problem}")
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)

@@ -21,7 +21,7 @@ COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "hand
 SAMPLES = ("done_to_ready_s",)
 # Per reason: decode prompts computed locally (the scheduler's), and transfers whose
 # other leg never came (prefill: KV nobody announced; decode: a leg without params).
-BY_REASON = ("recomputed", "orphaned")
+BY_REASON = ("recomputed", "orphaned", "refused")
 
 
 @dataclass
@@ -101,6 +101,13 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                 name="vllm:kvpush_local_recomputes_total",
                 documentation="Decode prompts computed locally because no transfer served "
                 "them, by reason (kv_load_failure_policy recompute, or no kv_transfer_params)",
+                labelnames=[*labelnames, "reason"],
+            ),
+            "refused": self._counter_cls(
+                name="vllm:kvpush_refused_legs_total",
+                documentation="Decode legs whose kv_transfer_params were refused before "
+                "any transfer (malformed, a producer not allowed, a bootstrap server that "
+                "could not answer), by reason",
                 labelnames=[*labelnames, "reason"],
             ),
             "orphaned": self._counter_cls(

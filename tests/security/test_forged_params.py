@@ -88,11 +88,14 @@ def test_every_field_given_every_type_is_refused_by_name_or_accepted_well_formed
         del params[field]
     else:
         params[field] = value
+    side.stats()  # counts since the last case only
     count, meta = _attempt(side, f"d{next(REQUEST_IDS)}", params)
     if meta.rejects:
         ((_, why),) = meta.rejects
         assert isinstance(why, str) and why  # the request fails, saying why
         assert meta.expects == []
+        refused = (side.stats() or {}).get("refused", {})
+        assert sum(refused.values()) == 1 and all(refused), refused  # counted, by reason
         return
     # Accepted: as a leg kvpush can run (the field was optional or only a hint)...
     for expect in meta.expects:

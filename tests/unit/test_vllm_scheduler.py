@@ -588,14 +588,15 @@ def test_decode_prompts_computed_locally_are_counted_by_reason():
     assert side.stats() == {
         "orphaned": {"no_kv_transfer_params": 1},
         "recomputed": {"no_kv_transfer_params": 1, "mode_mismatch": 1, "transfer_failed": 1},
+        "refused": {"mode_mismatch": 1},
     }
     assert side.stats() is None  # counted once
 
 
-def test_under_the_fail_policy_a_rejected_leg_is_not_a_recompute():
+def test_under_the_fail_policy_a_rejected_leg_is_refused_not_recomputed():
     side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1)
     side.on_new_request(_request("d2", 50, _decode_params(transfer_mode="pull")))
-    assert side.stats() is None
+    assert side.stats() == {"refused": {"mode_mismatch": 1}}
 
 
 def test_a_prefill_preempted_while_its_kv_is_sent_ends_that_transfer_and_sends_nothing_more():
