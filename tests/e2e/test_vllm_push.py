@@ -27,6 +27,7 @@ from conftest import (
 from kvpush.bench.cpu import tree_cpu_seconds
 from kvpush.demo.servers import MODEL_NAME
 from kvpush.ports import free_port
+from kvpush.protocol.config import ProtocolConfig
 
 # Servers take minutes to start on 2 cores; the first test pays for the session.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -341,10 +342,13 @@ def test_prefill_killed_mid_run_errors_then_recovers(cluster, router, client):
 def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
     """Decode dies while it generates and holds at least four of eight requests: each
     of those gets an error naming decode (not a 200 cut short), and prefill holds
-    nothing after."""
+    nothing after. KV whose decode leg never reached decode (it was dead by then) is
+    held for prefill's lease, as prefill cannot know; what decode announced is let go
+    a few heartbeats after its death."""
     try:
         _kill_mid_run(cluster, client, router, "decode", 4, prompt_len=600, answer=1400)
-        state = client.wait_drained(cluster.identity_url("prefill"))
+        lease = ProtocolConfig().lease_s  # the e2e prefill keeps the default
+        state = client.wait_drained(cluster.identity_url("prefill"), seconds=lease + 15)
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
     finally:
         cluster.start("decode")  # whatever happened: the tests after this one need it
