@@ -66,6 +66,14 @@ class Faults:
             self.injected[(op, mode)] += 1
             return mode
 
+    def strike(self, op: str, error: Exception) -> None:
+        """A synchronous call's fault, if `op` draws one: raise `error`, or stall."""
+        mode = self.draw(op)
+        if mode == "raise":
+            raise error
+        if mode == "hang":
+            time.sleep(self.stall_s)
+
     def total(self) -> int:
         with self._lock:
             return sum(self.injected.values())
@@ -83,7 +91,7 @@ class FaultyAgent:
         return getattr(self._agent, name)
 
     def prepare(self, rows: Any, mem_type: str, peer: str | None = None) -> Any:
-        self._strike("prepare", "prep_xfer_dlist", peer)
+        self._faults.strike("prepare", TransportError("prep_xfer_dlist", "injected fault", peer))
         return self._agent.prepare(rows, mem_type, peer)
 
     def post(self, op: str, *args: Any, **kwargs: Any) -> Transfer:
@@ -118,13 +126,6 @@ class FaultyAgent:
             time.sleep(self._faults.stall_s)
         self._agent.release(transfer)
 
-    def _strike(self, op: str, call: str, peer: str | None = None) -> None:
-        mode = self._faults.draw(op)
-        if mode == "raise":
-            raise TransportError(call, "injected fault", peer)
-        if mode == "hang":
-            time.sleep(self._faults.stall_s)
-
 
 class FaultyBackends:
     """Backends whose staging and fence waits fail as `faults` draws."""
@@ -137,16 +138,11 @@ class FaultyBackends:
         return getattr(self._backends, name)
 
     def stage(self, kv: Any, block_ids: Sequence[int], direction: str) -> None:
-        self._strike("stage", f"staging {direction}")
+        failed = BackendError(f"injected fault: staging {direction} failed")
+        self._faults.strike("stage", failed)
         self._backends.stage(kv, block_ids, direction)
 
     def wait_fence(self, kv: Any, fence: Any) -> None:
-        self._strike("fence", "waiting for the KV's fence")
+        failed = BackendError("injected fault: waiting for the KV's fence failed")
+        self._faults.strike("fence", failed)
         self._backends.wait_fence(kv, fence)
-
-    def _strike(self, op: str, what: str) -> None:
-        mode = self._faults.draw(op)
-        if mode == "raise":
-            raise BackendError(f"injected fault: {what} failed")
-        if mode == "hang":
-            time.sleep(self._faults.stall_s)

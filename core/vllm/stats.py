@@ -97,26 +97,8 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         )
         # Labelled by reason too, so children are made as reasons appear.
         self.by_reason = {
-            "recomputed": self._counter_cls(
-                name="vllm:kvpush_local_recomputes_total",
-                documentation="Decode prompts computed locally because no transfer served "
-                "them, by reason (kv_load_failure_policy recompute, or no kv_transfer_params)",
-                labelnames=[*labelnames, "reason"],
-            ),
-            "refused": self._counter_cls(
-                name="vllm:kvpush_refused_legs_total",
-                documentation="Decode legs whose kv_transfer_params were refused before "
-                "any transfer (malformed, a producer not allowed, a bootstrap server that "
-                "could not answer), by reason",
-                labelnames=[*labelnames, "reason"],
-            ),
-            "orphaned": self._counter_cls(
-                name="vllm:kvpush_orphaned_total",
-                documentation="Transfers whose other leg never came, by reason: prefill KV "
-                "no decode announced within orphan_grace_s, or a decode leg whose "
-                "orchestrator dropped the prefill answer's kv_transfer_params",
-                labelnames=[*labelnames, "reason"],
-            ),
+            key: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "reason"])
+            for key, (name, doc) in _BY_REASON_METRICS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -131,6 +113,27 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             for reason, count in (transfer_stats_data.get(key) or {}).items():
                 counter.labels(*engine, reason).inc(count)
 
+
+# BY_REASON's counters: their Prometheus names and help.
+_BY_REASON_METRICS = {
+    "recomputed": (
+        "vllm:kvpush_local_recomputes_total",
+        "Decode prompts computed locally because no transfer served them, by reason "
+        "(kv_load_failure_policy recompute, or no kv_transfer_params)",
+    ),
+    "orphaned": (
+        "vllm:kvpush_orphaned_total",
+        "Transfers whose other leg never came, by reason: prefill KV no decode announced "
+        "within orphan_grace_s, or a decode leg whose orchestrator dropped the prefill "
+        "answer's kv_transfer_params",
+    ),
+    "refused": (
+        "vllm:kvpush_refused_legs_total",
+        "Decode legs whose kv_transfer_params were refused before any transfer "
+        "(malformed, a producer not allowed, a bootstrap server that could not answer), "
+        "by reason",
+    ),
+}
 
 _DOCS = {
     "delivered": "kvpush transfers whose KV arrived (decode)",
