@@ -23,6 +23,7 @@ from aiohttp import web
 from kvpush.errors import KVPushError
 from kvpush.identities import dp_siblings
 from kvpush.kv_params import identity_from_decode_params
+from kvpush.limits import raise_open_files
 from kvpush.metrics import Metrics
 from kvpush.router.instances import Instance, Pool, pairing_problem
 from kvpush.router.legs import (
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 # vLLM's API server places a request on this data-parallel rank (its engine client).
 DP_RANK_HEADER = "X-data-parallel-rank"
+# Connections the kernel queues before the router accepts them: a burst of clients
+# beyond aiohttp's default of 128 would otherwise wait out SYN retries (uvicorn,
+# vLLM's server, queues 2048).
+BACKLOG = 2048
 
 
 # Per-request state kept on the aiohttp request (typed keys where aiohttp has them).
@@ -661,6 +666,7 @@ def _upstream_message(instance: Instance, text: str) -> str:
 
 def run(config: RouterConfig, host: str, port: int) -> None:
     """Serve until interrupted."""
+    raise_open_files()
     # handler_cancellation: a client that goes away cancels its handler, which closes
     # both legs' connections, which makes vLLM abort them (streaming or not).
     web.run_app(
@@ -668,6 +674,7 @@ def run(config: RouterConfig, host: str, port: int) -> None:
         host=host,
         port=port,
         print=None,
+        backlog=BACKLOG,
         handle_signals=True,
         handler_cancellation=True,
     )
