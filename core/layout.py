@@ -17,6 +17,13 @@ producer rank's block fills which slice of a consumer rank's, and `assignment`
 which producer rank fills each consumer rank's heads (exactly one per head, among
 replicas when there are fewer heads than ranks). BlockTable turns a layout's
 transfer units into NIXL descriptor rows.
+
+Workers of different block sizes pair when one size divides the other and a block's
+tokens lie outermost inside each head's slice (or inside the block): the pair then
+counts in pages of the smaller size, and each larger block is that many pages, at
+fixed offsets inside it. Block ids on the wire between two such peers are page ids
+(block b of a side with f pages a block is pages b·f to b·f + f - 1), so a page
+moves by descriptor, with no copy.
 """
 
 from __future__ import annotations
@@ -97,15 +104,35 @@ def tp_problem(src_world: int, dst_world: int, heads: int) -> str | None:
 
 def block_size_problem(src_tokens: int, dst_tokens: int) -> str | None:
     """Why a producer of `src_tokens` tokens per block cannot fill a consumer's blocks
-    of `dst_tokens`, or None. A block's bytes are one whole unit of the transfer, so
-    the sizes must be equal: the same --block-size on both instances."""
-    if src_tokens != dst_tokens:
+    of `dst_tokens`, or None. Pairable: one size divides the other, so that every
+    larger block is a whole number of the smaller ones."""
+    if max(src_tokens, dst_tokens) % min(src_tokens, dst_tokens):
         return (
             f"block sizes differ: prefill holds {src_tokens} tokens per block, decode "
-            f"{dst_tokens}; kvpush pairs equal block sizes only (start both with the same "
-            "--block-size)"
+            f"{dst_tokens}; kvpush pairs block sizes only where one divides the other "
+            "(a larger block must be whole pages of the smaller)"
         )
     return None
+
+
+def page_factors(local_tokens: int, remote_tokens: int) -> tuple[int, int]:
+    """Pages per block on each side of a pair (the page: the smaller block size)."""
+    page = min(local_tokens, remote_tokens)
+    return local_tokens // page, remote_tokens // page
+
+
+def to_pages(block_ids: list[int], pages: int) -> list[int]:
+    """Block ids as page ids, `pages` pages a block, in order."""
+    if pages == 1:
+        return list(block_ids)
+    return [b * pages + j for b in block_ids for j in range(pages)]
+
+
+def blocks_of(page_ids: list[int], pages: int) -> list[int]:
+    """The blocks that hold these pages, in order of first appearance."""
+    if pages == 1:
+        return list(page_ids)
+    return list(dict.fromkeys(p // pages for p in page_ids))
 
 
 def sources(dst: Shard, src_world: int) -> list[tuple[int, int]]:
@@ -159,13 +186,16 @@ class KVLayout(msgspec.Struct, frozen=True):
 
 
 class Unit(NamedTuple):
-    """One transfer unit of a layer: the same slice of every block."""
+    """One transfer unit of a layer: the same slice of every block, or, with `pages`
+    above 1, of every page: page j of block b starts at base + b·stride + j·page_stride."""
 
     layer: int
     part: str
     base: int
     stride: int
     nbytes: int
+    pages: int = 1
+    page_stride: int = 0
 
 
 def check_layout(layout: KVLayout) -> None:
@@ -238,27 +268,35 @@ def units(layout: KVLayout, split: bool) -> list[Unit]:
     return result
 
 
-def _shape(layout_units: list[Unit]) -> list[tuple[int, str, int]]:
-    return [(u.layer, u.part, u.nbytes) for u in layout_units]
+def _shape(layout_units: list[Unit], tokens: int = 1) -> list[tuple[int, str, int]]:
+    """Units as (layer, part, bytes); per token when `tokens` is a block's token count."""
+    return [(u.layer, u.part, u.nbytes // tokens) for u in layout_units]
 
 
-def pairing_split(local: KVLayout, remote: KVLayout) -> bool:
-    """Whether two layouts pair at K/V granularity (True) or whole blocks (False).
+def pairing_split(local: KVLayout, remote: KVLayout, same_tokens: bool = True) -> bool:
+    """Whether two layouts pair at K/V granularity (True) or whole blocks (False);
+    without `same_tokens`, blocks of different sizes compare per token.
 
     Raises RegionError naming the difference when no byte-for-byte mapping exists.
     """
-    for field in ("tokens_per_block", "dtype", "inner"):
+    fields = ("tokens_per_block", "dtype", "inner") if same_tokens else ("dtype",)
+    for field in fields:
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
             raise RegionError(f"KV layouts differ in {field}: local {mine!r}, remote {theirs!r}")
+    if not same_tokens and _without_tokens(local.inner) != _without_tokens(remote.inner):
+        raise RegionError(
+            f"KV layouts differ inside a token: local [{local.inner}], remote [{remote.inner}]"
+        )
     if len(local.layers) != len(remote.layers):
         raise RegionError(
             f"KV layouts differ in layer count: local {len(local.layers)}, "
             f"remote {len(remote.layers)}"
         )
-    if _shape(units(local, False)) == _shape(units(remote, False)):
+    per = (1, 1) if same_tokens else (local.tokens_per_block, remote.tokens_per_block)
+    if _shape(units(local, False), per[0]) == _shape(units(remote, False), per[1]):
         return False
-    mine, theirs = _shape(units(local, True)), _shape(units(remote, True))
+    mine, theirs = _shape(units(local, True), per[0]), _shape(units(remote, True), per[1])
     if mine == theirs:
         return True
     if len(mine) != len(theirs):
@@ -275,12 +313,14 @@ def pairing_split(local: KVLayout, remote: KVLayout) -> bool:
 
 def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
     """The transfer units of a producer rank's layout (`src`) and a consumer rank's
-    (`dst`), aligned: unit i of one fills unit i of the other, block for block.
+    (`dst`), aligned: unit i of one fills unit i of the other, block for block (page
+    for page when the block sizes differ).
 
-    Equal TP sizes move whole blocks, rank r to rank r (K and V apart when one side
-    keeps them apart). Different ones move each consumer rank's heads from the
-    producer rank `assignment` names, as slices of the blocks. RegionError names the
-    difference when no byte-for-byte mapping exists.
+    Equal TP and block sizes move whole blocks, rank r to rank r (K and V apart when
+    one side keeps them apart). Different TP sizes move each consumer rank's heads from
+    the producer rank `assignment` names, as slices of the blocks; different block
+    sizes move pages. RegionError names the difference when no byte-for-byte mapping
+    exists.
     """
     a, b = src.shard, dst.shard
     problem = block_size_problem(src.tokens_per_block, dst.tokens_per_block)
@@ -291,9 +331,9 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
             f"KV layouts differ in KV heads: the producer's model has {a.heads}, the "
             f"consumer's {b.heads} (another model?)"
         )
-    if a.world == b.world:
-        if a.rank != b.rank:
-            raise RegionError(f"rank mismatch: producer rank {a.rank}, consumer rank {b.rank}")
+    if a.world == b.world and a.rank != b.rank:
+        raise RegionError(f"rank mismatch: producer rank {a.rank}, consumer rank {b.rank}")
+    if a.world == b.world and src.tokens_per_block == dst.tokens_per_block:
         split = pairing_split(src, dst)
         return units(src, split), units(dst, split)
     problem = tp_problem(a.world, b.world, a.heads)
@@ -303,8 +343,13 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
         raise RegionError(
             f"KV layouts differ in dtype: producer {src.dtype!r}, consumer {dst.dtype!r}"
         )
+    tokens_first = _tokens_first(src.inner) and _tokens_first(dst.inner)
+    if src.tokens_per_block != dst.tokens_per_block and a.world == b.world and tokens_first:
+        pairing_split(src, dst, same_tokens=False)
+        # A page is a token range of K, or of V: never of both at once.
+        return _paged(src, dst, _kv_units(src), _kv_units(dst))
     src_units, dst_units = _head_units(src), _head_units(dst)
-    if _per_head(src.inner) != _per_head(dst.inner):
+    if _without_tokens(_per_head(src.inner)) != _without_tokens(_per_head(dst.inner)):
         raise RegionError(
             f"KV layouts differ inside a head: producer [{src.inner}], consumer [{dst.inner}]"
         )
@@ -314,13 +359,56 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
         raise RegionError(f"producer rank {a.rank} holds none of consumer rank {b.rank}'s KV heads")
     if [(u.layer, u.part) for u in src_units] != [(u.layer, u.part) for u in dst_units]:
         raise RegionError("KV layouts cannot be mapped head for head: their layers differ")
+    if src.tokens_per_block != dst.tokens_per_block:
+        # A page of a larger block is contiguous only inside one head: one head apiece.
+        pieces = [p._replace(first=h, count=1) for p in pieces for h in _heads(p)]
     planned_src: list[Unit] = []
     planned_dst: list[Unit] = []
     for s_unit, d_unit in zip(src_units, dst_units, strict=True):  # layer-major, as tables are
         for piece in pieces:
             planned_src.append(_heads_of(s_unit, a, piece))
             planned_dst.append(_heads_of(d_unit, b, piece))
-    return planned_src, planned_dst
+    return _paged(src, dst, planned_src, planned_dst)
+
+
+def _heads(piece: Piece) -> range:
+    return range(piece.first, piece.first + piece.count)
+
+
+def _tokens_first(inner: str) -> bool:
+    return inner.startswith("tokens:")
+
+
+def _without_tokens(inner: str) -> str:
+    """A block's inner layout without its token count (what one token holds, in order)."""
+    return ",".join("tokens" if d.startswith("tokens:") else d for d in inner.split(","))
+
+
+def _paged(
+    src: KVLayout, dst: KVLayout, src_units: list[Unit], dst_units: list[Unit]
+) -> tuple[list[Unit], list[Unit]]:
+    """Aligned units, the larger block's cut into pages of the smaller block's tokens.
+    Each unit must hold one run of tokens: the whole block's (tokens outermost) or one
+    head's (tokens just below the heads)."""
+    f_src, f_dst = page_factors(src.tokens_per_block, dst.tokens_per_block)
+    if f_src == f_dst:
+        return src_units, dst_units
+    for layout in (src, dst):
+        dims = layout.inner.split(",")
+        if not (_tokens_first(layout.inner) or (dims[1:2] and _tokens_first(dims[1]))):
+            raise RegionError(
+                "block sizes differ, and a page of a larger block is one slice only when a "
+                "block's tokens lie outermost in it or in each head's part of it; this "
+                f"layout's block is [{layout.inner}]"
+            )
+    return _pages_of(src_units, f_src), _pages_of(dst_units, f_dst)
+
+
+def _pages_of(layout_units: list[Unit], pages: int) -> list[Unit]:
+    if pages == 1:
+        return layout_units
+    return [u._replace(nbytes=u.nbytes // pages, pages=pages, page_stride=u.nbytes // pages)
+            for u in layout_units]  # fmt: skip
 
 
 def _per_head(inner: str) -> str:
@@ -337,6 +425,11 @@ def _head_units(layout: KVLayout) -> list[Unit]:
             f"a head-split transfer needs the KV heads outermost inside a block, and this "
             f"layout's block is [{layout.inner}] (on GPUs: vLLM's HND layout)"
         )
+    return _kv_units(layout)
+
+
+def _kv_units(layout: KVLayout) -> list[Unit]:
+    """K and V apart, unless they interleave below the block's first dimension."""
     mixed = any(run.part == "mixed" for runs in layout.layers for run in runs)
     return units(layout, split=not mixed)
 
@@ -353,7 +446,9 @@ class BlockTable:
 
     Row `unit * num_blocks + block` holds block `block` of unit `unit`, so moving some
     blocks is a list of row indices: prepare the table with NIXL once, post by index.
-    The units are the layout's own (K and V apart if `split`), or a plan's.
+    The units are the layout's own (K and V apart if `split`), or a plan's. A plan's
+    paged units (a pair of block sizes) make the table one of pages: `pages` a block,
+    indexed by page id.
     """
 
     def __init__(
@@ -362,16 +457,21 @@ class BlockTable:
         self.layout = layout
         if layout_units is None:
             layout_units = units(layout, split)
+        self.pages = layout_units[0].pages if layout_units else 1
+        if any(u.pages != self.pages for u in layout_units):
+            raise RegionError("a descriptor table's units must cut blocks into equal pages")
         self.num_units = len(layout_units)
-        nb = layout.num_blocks
-        self.rows = np.empty((self.num_units * nb, 3), dtype=np.uint64)
-        blocks = np.arange(nb, dtype=np.uint64)
+        count = layout.num_blocks * self.pages
+        self.rows = np.empty((self.num_units * count, 3), dtype=np.uint64)
+        ids = np.arange(count, dtype=np.uint64)
+        blocks, pages = ids // np.uint64(self.pages), ids % np.uint64(self.pages)
         for i, unit in enumerate(layout_units):
-            rows = self.rows[i * nb : (i + 1) * nb]
-            rows[:, 0] = np.uint64(unit.base) + blocks * np.uint64(unit.stride)
+            rows = self.rows[i * count : (i + 1) * count]
+            rows[:, 0] = (np.uint64(unit.base) + blocks * np.uint64(unit.stride)
+                          + pages * np.uint64(unit.page_stride))  # fmt: skip
             rows[:, 1] = unit.nbytes
             rows[:, 2] = layout.device_id
-        self._unit_offsets = np.arange(self.num_units, dtype=np.int64)[:, None] * nb
+        self._unit_offsets = np.arange(self.num_units, dtype=np.int64)[:, None] * count
         # Units are layer-major: layer l owns units [first[l], first[l + 1]).
         self._first_unit = np.searchsorted(
             [u.layer for u in layout_units], range(len(layout.layers) + 1)
@@ -380,12 +480,13 @@ class BlockTable:
     def ids(
         self, block_ids: np.ndarray | list[int], layers: tuple[int, int] | None = None
     ) -> np.ndarray:
-        """Row indices for `block_ids` (in layers [start, stop) if given), unit-major.
+        """Row indices for `block_ids` (page ids in a paged table; in layers
+        [start, stop) if given), unit-major.
 
-        RegionError if any block id is out of range.
+        RegionError if any id is out of range.
         """
         ids = np.asarray(block_ids, dtype=np.int64)
-        check_block_ids(self.layout, ids)
+        check_block_ids(self.layout, ids, self.pages)
         offsets = self._unit_offsets
         if layers is not None:
             start, stop = layers
@@ -395,12 +496,14 @@ class BlockTable:
         return (offsets + ids[None, :]).ravel()
 
 
-def check_block_ids(layout: KVLayout, ids: np.ndarray) -> None:
+def check_block_ids(layout: KVLayout, ids: np.ndarray, pages: int = 1) -> None:
     if ids.ndim != 1:
         raise RegionError(f"block ids must be a flat list, got shape {ids.shape}")
-    bad = ids[(ids < 0) | (ids >= layout.num_blocks)]
+    count = layout.num_blocks * pages
+    bad = ids[(ids < 0) | (ids >= count)]
     if bad.size:
+        what = "block" if pages == 1 else f"page ({pages} a block)"
         raise RegionError(
-            f"block ids {bad[:8].tolist()} are out of range: the layout has "
-            f"{layout.num_blocks} blocks (0..{layout.num_blocks - 1})"
+            f"{what} ids {bad[:8].tolist()} are out of range: the layout has "
+            f"{count} (0..{count - 1})"
         )

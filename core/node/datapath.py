@@ -18,7 +18,7 @@ import numpy as np
 
 from kvpush.backend import DeviceKV
 from kvpush.errors import KVPushError, TransportError
-from kvpush.layout import BlockTable, KVLayout, Unit, plan, units
+from kvpush.layout import BlockTable, KVLayout, Unit, blocks_of, plan, units
 from kvpush.node.interpreter import MetricsSink, Settled
 from kvpush.plugins import Backends
 from kvpush.protocol import actions as act
@@ -223,7 +223,8 @@ class DataPath:
                 if route is None:
                     raise TransportError("WRITE", "the consumer's session is gone", peer)
                 self._wait_fences(write.transfer_id, write.layers[1])
-                self.backends.stage(self.kv, write.src_blocks, "to_host")
+                pages = self.local(route.local)[0].pages  # ids are pages of this pairing
+                self.backends.stage(self.kv, blocks_of(write.src_blocks, pages), "to_host")
                 parts.append(self._part(route, write.transfer_id, write.src_blocks,
                                         write.dst_blocks, write.layers, write.notif))  # fmt: skip
             except Exception as exc:  # fencing, staging or descriptors: nothing was posted

@@ -109,8 +109,9 @@ class Node:
         self.clock = clock
         self.wall = wall
         self.loop = Loop(f"kvpush-{config.engine_id}-r{config.rank}")
-        self.producer = Producer(config.protocol, num_layers=len(kv.layout.layers))
-        self.consumer = Consumer(config.protocol, kv.layout.digest())
+        tokens = kv.layout.tokens_per_block
+        self.producer = Producer(config.protocol, len(kv.layout.layers), tokens)
+        self.consumer = Consumer(config.protocol, kv.layout.digest(), tokens)
         # Made on the loop thread, which owns NIXL:
         self.agent: NixlAgent | None = None
         self.data: DataPath | None = None

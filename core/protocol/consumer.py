@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass
 
 from kvpush.errors import ProtocolError
-from kvpush.layout import KVLayout
+from kvpush.layout import KVLayout, page_factors, to_pages
 from kvpush.protocol.actions import (
     Action,
     Connect,
@@ -150,9 +150,13 @@ def _key(transfer: _Transfer) -> Key:
 class Consumer:
     """All transfers of one decode worker rank."""
 
-    def __init__(self, config: ProtocolConfig, layout_digest: str) -> None:
+    def __init__(
+        self, config: ProtocolConfig, layout_digest: str, block_tokens: int | None = None
+    ) -> None:
         self.config = config
         self.layout_digest = layout_digest
+        # Tokens per block of our KV cache (None: as every peer's, as in models of one).
+        self.block_tokens = block_tokens
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[Key, _Transfer] = {}
         self._requests: dict[str, _Request] = {}
@@ -497,20 +501,15 @@ class Consumer:
             # now has that address): its KV is not this prompt's.
             return self._fail(transfer, now, "handshake_failed", problem)
         transfer.claimed_at = now
+        pages, skip = self._pages(transfer), transfer.skip_blocks * self._factors(transfer)[0]
         if self.config.mode == "push":
             TRANSITIONS.move(transfer, State.REGISTERED)
             message: Message = Register(
-                transfer.transfer_id,
-                [transfer.blocks],
-                self.layout_digest,
-                transfer.skip_blocks,
-                transfer.parts,
+                transfer.transfer_id, [pages], self.layout_digest, skip, transfer.parts
             )
         else:
             TRANSITIONS.move(transfer, State.REQUESTED)
-            message = PullRequest(
-                transfer.transfer_id, len(transfer.blocks), transfer.skip_blocks, transfer.parts
-            )
+            message = PullRequest(transfer.transfer_id, len(pages), skip, transfer.parts)
         return [self._send(transfer.peer, message, now)]
 
     def _on_heartbeat(self, peer: str, message: Heartbeat, now: float) -> list[Action]:
@@ -576,16 +575,33 @@ class Consumer:
             return [release] + self._fail(transfer, now, reason, detail)
         TRANSITIONS.move(transfer, State.READING)
         self._deadlines.cancel(("watchdog", _key(transfer)))
-        return [PostRead(transfer.transfer_id, transfer.peer, list(transfer.blocks), remote)]
+        local = self._pages(transfer)[: len(remote)]
+        return [PostRead(transfer.transfer_id, transfer.peer, local, remote)]
+
+    def _factors(self, transfer: _Transfer) -> tuple[int, int]:
+        """Pages per block, ours and the producer's: with different block sizes a pair
+        counts blocks in pages of the smaller (ids on the wire are page ids)."""
+        producer = self._peers[transfer.peer].layout
+        assert producer is not None
+        theirs = producer.tokens_per_block
+        return page_factors(self.block_tokens or theirs, theirs)
+
+    def _pages(self, transfer: _Transfer) -> list[int]:
+        assert transfer.blocks is not None
+        return to_pages(transfer.blocks, self._factors(transfer)[0])
 
     def _check_grant(self, transfer: _Transfer, remote: list[int]) -> str:
         producer = self._peers[transfer.peer].layout
-        assert transfer.blocks is not None and producer is not None
-        if len(remote) != len(transfer.blocks):
-            return f"granted {len(remote)} blocks for {len(transfer.blocks)} asked"
-        bad = [b for b in remote if b >= producer.num_blocks]
+        assert producer is not None
+        ours, theirs = self._factors(transfer)
+        asked = len(self._pages(transfer))
+        # Our last block may reach past the prompt's last page by less than a block.
+        if not asked - ours < len(remote) <= asked:
+            return f"granted {len(remote)} blocks for {asked} asked"
+        count = producer.num_blocks * theirs
+        bad = [b for b in remote if b >= count]
         if bad:
-            return f"granted block ids {bad[:8]} outside the producer's {producer.num_blocks}"
+            return f"granted block ids {bad[:8]} outside the producer's {count}"
         return ""
 
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:

@@ -29,7 +29,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvpush.layout import KVLayout
+from kvpush.layout import KVLayout, blocks_of, page_factors, to_pages
 from kvpush.protocol.actions import (
     Action,
     ChunkSent,
@@ -180,9 +180,13 @@ def _key(transfer: _Transfer) -> Key:
 class Producer:
     """All transfers of one prefill worker rank."""
 
-    def __init__(self, config: ProtocolConfig, num_layers: int = 1) -> None:
+    def __init__(
+        self, config: ProtocolConfig, num_layers: int = 1, block_tokens: int | None = None
+    ) -> None:
         self.config = config
         self.num_layers = num_layers
+        # Tokens per block of our KV cache (None: as every peer's, as in models of one).
+        self.block_tokens = block_tokens
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[Key, _Transfer] = {}
         self._families: dict[str, _Family] = {}
@@ -583,12 +587,35 @@ class Producer:
             return "the registration names a KV layout other than the one in the handshake"
         if len(message.block_ids) != 1:
             return f"{len(message.block_ids)} KV cache groups; one is supported"
-        bad = [b for b in message.block_ids[0] if b >= consumer.num_blocks]
+        _, pages = self._pages(peer)
+        count = consumer.num_blocks * pages
+        bad = [b for b in message.block_ids[0] if b >= count]
         if bad:
-            return f"block ids {bad[:8]} out of range: the consumer has {consumer.num_blocks}"
+            what = "block" if pages == 1 else f"page ({pages} a block)"
+            return f"{what} ids {bad[:8]} out of range: the consumer has {count}"
         if len(set(message.block_ids[0])) != len(message.block_ids[0]):
             return "a destination block appears twice"
         return None
+
+    def _pages(self, peer: str) -> tuple[int, int]:
+        """Pages per block, ours and the consumer's at `peer`: with different block sizes
+        a pair counts blocks in pages of the smaller (ids on the wire are page ids)."""
+        theirs = self._peers[peer].layout.tokens_per_block
+        return page_factors(self.block_tokens or theirs, theirs)
+
+    def _sources(self, transfer: _Transfer) -> list[int]:
+        """The KV's pages, after those the consumer holds already."""
+        assert transfer.kv_blocks is not None and transfer.peer is not None
+        ours, _ = self._pages(transfer.peer)
+        return to_pages(transfer.kv_blocks, ours)[transfer.skip_blocks :]
+
+    def _fits(self, transfer: _Transfer, wanted: int, held: int) -> int | None:
+        """How many of `wanted` pages the consumer gets from `held`, or None when it
+        wants KV we do not have. Its last block may reach past our last page by less
+        than a block of its own: tokens the prompt does not have."""
+        assert transfer.peer is not None
+        _, theirs = self._pages(transfer.peer)
+        return min(wanted, held) if wanted - held < theirs else None
 
     def _write_more(self, transfer: _Transfer, now: float) -> list[Action]:
         """Post the next WRITE, if none is in flight: before the last step, the complete
@@ -600,16 +627,18 @@ class Producer:
         self._deadlines.cancel(("lease", _key(transfer)))
         if all_ready:
             self._deadlines.cancel(("reg", _key(transfer)))
-        sources = transfer.kv_blocks[transfer.skip_blocks :]
+        sources = self._sources(transfer)
         destinations = transfer.dst_blocks
         if not transfer.last_step:
             return self._write_complete_blocks(transfer, sources, destinations)
-        if len(destinations) > len(sources):
+        fits = self._fits(transfer, len(destinations), len(sources))
+        if fits is None:
             detail = (
                 f"{len(destinations)} destination blocks for {len(sources)} source blocks "
                 f"(after skipping {transfer.skip_blocks})"
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
+        destinations = destinations[:fits]
         start = min(transfer.blocks_written, len(destinations))
         if start == len(destinations) or transfer.layers_written == self.num_layers:
             if not all_ready:
@@ -642,7 +671,8 @@ class Producer:
         consumer's last is not either (the last step checks that count). The WRITE
         that fills decode's last block carries the notification: decode has all it
         asked for then, even if prefill has more to compute."""
-        upto = min(transfer.blocks_ready - transfer.skip_blocks, len(destinations))
+        ours, _ = self._pages(transfer.peer)
+        upto = min(transfer.blocks_ready * ours - transfer.skip_blocks, len(destinations))
         if upto <= transfer.blocks_written:
             return []
         TRANSITIONS.move(transfer, State.WRITING)
@@ -698,22 +728,23 @@ class Producer:
         return []
 
     def _grant(self, transfer: _Transfer, now: float) -> list[Action]:
-        assert transfer.kv_blocks is not None
-        first = transfer.skip_blocks
-        if first + transfer.pull_blocks > len(transfer.kv_blocks):
+        sources = self._sources(transfer)
+        fits = self._fits(transfer, transfer.pull_blocks, len(sources))
+        if fits is None:
             detail = (
-                f"{transfer.pull_blocks} blocks asked after skipping {first}, "
-                f"{len(transfer.kv_blocks)} held"
+                f"{transfer.pull_blocks} blocks asked after skipping {transfer.skip_blocks}, "
+                f"{len(sources)} held after it"
             )
             return self._end(transfer, "bad_blocks", now, notify=True, detail=detail)
         TRANSITIONS.move(transfer, State.GRANTED)
         self._deadlines.cancel(("reg", _key(transfer)))
         self._deadlines.set(("lease", _key(transfer)), now + self.config.lease_s)
         # The consumer holds the first blocks already (prefix cache): grant the rest.
-        blocks = transfer.kv_blocks[first : first + transfer.pull_blocks]
-        grant = Grant(transfer.transfer_id, [blocks], self.config.lease_s)
+        pages = sources[:fits]
+        grant = Grant(transfer.transfer_id, [pages], self.config.lease_s)
+        ours, _ = self._pages(transfer.peer)
         return [
-            ExposeBlocks(transfer.transfer_id, blocks, transfer.peer),
+            ExposeBlocks(transfer.transfer_id, blocks_of(pages, ours), transfer.peer),
             Send(transfer.peer, grant),
         ]
 

@@ -9,6 +9,7 @@ blocks until the test opens a gate: that holds a WRITE between "KV ready" and
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -43,6 +44,9 @@ class GatedTensor(example.ExampleTensor):
         super().synchronize()
 
 
+TOKEN_BYTES = 8  # what one token of one head takes, in the token-sized caches
+
+
 class NodePeer:
     def __init__(
         self,
@@ -59,6 +63,7 @@ class NodePeer:
         world: int = 1,
         lock_dir: str = "",
         heads: int = 0,
+        tokens: int = 0,
         faults: dict | None = None,
         **protocol: float,
     ) -> None:
@@ -69,6 +74,13 @@ class NodePeer:
             self.cache = kv_devices.FakeDeviceCache(device, layers, blocks, lock_dir)
             self.backends, self.tensors = self.cache.backends, self.cache.tensors
             self.kv = self.cache.kv
+        elif tokens:  # as vLLM's CPU cache is: [blocks, heads, tokens, bytes a token]
+            self.backends = Backends(["host"])
+            shape = (layers, blocks, self.shard.count, tokens, TOKEN_BYTES)
+            self.buf = np.full(shape, fill, np.uint8)
+            self.tensors = {f"layer.{i}": self.buf[i] for i in range(layers)}
+            dims = ("blocks", "heads", "tokens", "bytes")
+            self.kv = self.backends.describe(self.tensors, dims)
         elif heads:  # blocks of heads, as vLLM's CPU cache is: [blocks, heads, bytes]
             self.backends = Backends(["host"])
             per_head = block_bytes // heads  # a head is as large on every rank
@@ -130,6 +142,29 @@ class NodePeer:
                 tensor[blocks, i] = base + self.shard.first + i
         self.node.kv_ready(tid, blocks, self.backends.fence(self.kv))
         return {}
+
+    def kv_ready_tokens(self, tid: str, blocks: list[int], count: int, base: int) -> dict:
+        """Compute `count` prompt tokens into `blocks` in order, token t of head h in
+        layer l holding (base + 64 l + 16 h + t) mod 256, then say so."""
+        tokens = self.buf.shape[3]
+        for layer, t, i in itertools.product(
+            range(len(self.buf)), range(count), range(self.shard.count)
+        ):
+            value = (base + 64 * layer + 16 * (self.shard.first + i) + t) % 256
+            self.buf[layer, blocks[t // tokens], i, t % tokens] = value
+        self.node.kv_ready(tid, blocks, self.backends.fence(self.kv))
+        return {}
+
+    def token_values(self, blocks: list[int], count: int) -> dict:
+        """Per layer, head and prompt token (laid out in `blocks`): its distinct bytes."""
+        tokens = self.buf.shape[3]
+        return {
+            "values": [
+                [[sorted(set(self.buf[layer, blocks[t // tokens], i, t % tokens].tolist()))
+                  for t in range(count)] for i in range(self.shard.count)]
+                for layer in range(len(self.buf))
+            ]
+        }  # fmt: skip
 
     def head_values(self, block: int) -> dict:
         """What each local head of `block` holds, layer by layer (one value each)."""

@@ -315,3 +315,29 @@ def test_layer_reports_after_a_transfer_ended_hold_no_fences_and_release_once(sp
     outcomes = producer.call("results", count=2, seconds=2.0, timeout=40)["outcomes"]
     assert [(o["kind"], o["transfer_id"]) for o in outcomes] == [("released", "t1")]
     assert producer.call("stats")["fences_held"] == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(("prefill_tokens", "decode_tokens"), [(8, 4), (4, 8)])
+def test_blocks_of_different_sizes_move_page_by_page(spawn, mode, prefill_tokens, decode_tokens):
+    """22 prompt tokens, two heads: decode's blocks are half or twice prefill's. Every
+    token lands where decode's block table puts it, and decode's prefix (its first
+    block, cached) is left as it was."""
+    producer = spawn("producer", "prefill", heads=2, tokens=prefill_tokens, mode=mode)
+    consumer = spawn("consumer", "decode", heads=2, tokens=decode_tokens, mode=mode)
+    count, source, destination = 22, [9, 2, 11, 4, 0, 7], [3, 12, 5, 8, 1, 14]
+    source = source[: -(-count // prefill_tokens)]
+    destination = destination[: -(-count // decode_tokens)]
+    # Decode's first block is its prefix cache's: it expects KV only for the rest.
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=destination[1:], skip=1)
+    _registered(producer) if mode == "push" else None
+    producer.call("kv_ready_tokens", tid="t1", blocks=source, count=count, base=0x30)
+    outcome = _one(consumer)
+    assert outcome["kind"] == "delivered", outcome
+    landed = consumer.call("token_values", blocks=destination, count=count)["values"]
+    for layer, heads in enumerate(landed):
+        for head, tokens in enumerate(heads):
+            for t, values in enumerate(tokens):
+                held = [0] if t < decode_tokens else [(0x30 + 64 * layer + 16 * head + t) % 256]
+                assert values == held, (layer, head, t)
+    assert _one(producer)["reason"] == "sent"

@@ -80,7 +80,9 @@ def _cases():
             yield src_kind, dst_kind, heads, src_world, dst_world
 
 
-@pytest.mark.parametrize(("src_kind", "dst_kind", "heads", "src_world", "dst_world"), _cases())
+@pytest.mark.parametrize(
+    ("src_kind", "dst_kind", "heads", "src_world", "dst_world"), list(_cases())
+)
 def test_every_consumer_head_is_filled_once_from_a_producer_that_holds_it(
     src_kind, dst_kind, heads, src_world, dst_world
 ):

@@ -504,7 +504,7 @@ async def _paired(
 def test_requests_go_only_to_a_decode_whose_blocks_and_ranks_pair_with_prefill(mode):
     prefill = _identity("prefill", 128, tp_size=2, mode=mode)
     decodes = [
-        _identity("small-blocks", 64, tp_size=2, mode=mode),
+        _identity("odd-blocks", 96, tp_size=2, mode=mode),
         _identity("tp3", 128, tp_size=3, mode=mode),
         _identity("fits", 128, tp_size=1, mode=mode),
     ]
@@ -519,8 +519,8 @@ def test_requests_go_only_to_a_decode_whose_blocks_and_ranks_pair_with_prefill(m
     ("decode", "named"),
     [
         (
-            _identity("d", 64),
-            ["block sizes differ", "prefill holds 128 tokens per block, decode 64", "--block-size"],
+            _identity("d", 96),
+            ["block sizes differ", "prefill holds 128 tokens per block, decode 96", "one divides"],
         ),
         (_identity("d", 128, tp_size=3), ["tensor-parallel sizes 2 (prefill) and 3 (decode)"]),
     ],
@@ -541,12 +541,12 @@ def test_a_pair_that_cannot_exchange_kv_is_refused_with_both_sides_values(mode, 
 
 
 def test_a_pull_router_that_learns_prefill_from_its_answer_refuses_before_decode():
-    prefill, decode = _identity("p", 128, mode="pull"), _identity("d", 64, mode="pull")
+    prefill, decode = _identity("p", 128, mode="pull"), _identity("d", 96, mode="pull")
     answers, (prefill_fake, decode_fake), refusals = run(
         _paired(prefill, [decode], "pull", 2, prefill_endpoint=False)
     )
     assert [status for status, _ in answers] == [502, 502]
-    assert "prefill holds 128 tokens per block, decode 64" in answers[0][1]["error"]["message"]
+    assert "prefill holds 128 tokens per block, decode 96" in answers[0][1]["error"]["message"]
     assert len(prefill_fake.bodies) == 1  # the first answer taught the router its shape
     assert decode_fake.bodies == [] and refusals == 2
 
@@ -560,7 +560,7 @@ async def internal_error(request: web.Request, body: dict) -> web.Response:
 def test_a_decode_leg_kvpush_failed_tells_the_client_why_not_internal_server_error(stream):
     """vLLM answers a request whose KV load failed with a bare 500 (or error event);
     the decode instance's trace holds kvpush's reason, and the client gets that."""
-    why = "handshake_refused: block sizes differ: prefill holds 128 tokens per block, decode 64"
+    why = "handshake_refused: block sizes differ: prefill holds 128 tokens per block, decode 96"
 
     def traces(decode: Fake) -> list[dict]:
         named = [b["kv_transfer_params"]["transfer_id"] for b in decode.bodies]
