@@ -75,6 +75,10 @@ class ConnectorConfig:
         TP), or an engine without vLLM's request queue (in-process, offline).
     park_workers: let an idle worker sleep on its step queue instead of spinning
         through those waits (default true; reaches into vLLM's private queue).
+    reader_spin_s: how long a reader of vLLM's step and result queues spins after a
+        read before it sleeps on the queue's socket (vLLM: 1 s, hard-coded). A decode
+        serving a request a second otherwise spins a core between requests
+        (default 0.002; 1 keeps vLLM's; reaches into vLLM's private queues).
     nixl_backends: NIXL backends to use (default: the device backend's choice).
     ucx_error_handling: "none" (default, fastest here) or "peer".
     device_options: passed to the device backend (e.g. {"staging": "host"}).
@@ -94,6 +98,7 @@ class ConnectorConfig:
     push_granularity: str = "chunk"
     idle_wait_s: float = 0.1
     park_workers: bool = True
+    reader_spin_s: float = 0.002
     nixl_backends: tuple[str, ...] = ()
     ucx_error_handling: str = "none"
     device_options: dict[str, Any] = field(default_factory=dict)
@@ -154,10 +159,10 @@ def _checked(key: str, value: Any) -> Any:
         kind = expected[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(f"{key} must be a {kind.__name__}, got {value!r}")
-    if key == "idle_wait_s":
+    if key in ("idle_wait_s", "reader_spin_s"):
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or not 0 <= value <= 1:
-            raise ConfigError(f"idle_wait_s must be a number of seconds in [0, 1], got {value!r}")
+            raise ConfigError(f"{key} must be a number of seconds in [0, 1], got {value!r}")
         return float(value)
     if key == "push_granularity" and value not in GRANULARITIES:
         raise ConfigError(f"push_granularity must be one of {GRANULARITIES}, got {value!r}")

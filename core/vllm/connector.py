@@ -90,6 +90,7 @@ class KVPushConnector(KVConnectorBase_V1):
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
             if config.park_workers:
                 hooks.prepare_step_notify()
+            hooks.bound_reader_spin(config.reader_spin_s, executor_side=True)
             hooks.RECORD.log_attached("scheduler")
         else:
             from vllm.distributed.parallel_state import (

@@ -1,7 +1,7 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it six times, each a Hook below: what it
+objects around them. kvpush reaches past it seven times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
@@ -26,6 +26,13 @@ through such bursts; a parked one does not. So the engine process has the socket
 in those acknowledgements before each send (step_notify), and parking also shortens
 vLLM's recheck interval (SHM_READER_RECHECK_INTERVAL_MS) to PARKED_RECHECK_MS as a
 safety net; the first step that is not parked puts vLLM's back.
+
+Reader spin (why it exists): that second of spinning follows every read, not only
+the waits kvpush parks through. A decode that answers a request a second, in steps
+tens of milliseconds long, spins a core in each worker between requests, and the
+engine process spins likewise on its workers' result queues during each step. On
+kvpush instances each of those readers spins `reader_spin_s` (2 ms: longer than the
+gap between two steps of a busy engine, so under load they still never sleep).
 """
 
 from __future__ import annotations
@@ -106,6 +113,15 @@ HOOKS = {
             "a parked worker misses about half the steps written within a millisecond "
             "of the one before, and sees each only at its recheck "
             f"({PARKED_RECHECK_MS} ms)",
+        ),
+        Hook(
+            "reader_spin",
+            "busy_loop_s of the reading end of a worker's rpc_broadcast_mq and of the "
+            "executor's response_mqs (shm_broadcast.SpinCondition)",
+            ("0.32", "0.33"),
+            True,
+            "each worker, and the engine process during a step, spins a core for a "
+            "second after every read, between requests too",
         ),
         Hook(
             "park_workers",
@@ -316,6 +332,38 @@ def _spin_condition(owner: Any) -> Any | None:
     return spin if hasattr(spin, "last_read") and hasattr(spin, "busy_loop_s") else None
 
 
+# -- reader_spin (worker processes, and the scheduler's while vLLM builds the engine) ---
+
+
+def bound_reader_spin(spin_s: float, executor_side: bool) -> bool:
+    """Spin `spin_s`, not vLLM's second, after each read of this process's step queue
+    (a worker) or of its workers' result queues (the engine process: `executor_side`).
+    True if attached."""
+    if not RECORD.allowed("reader_spin"):
+        return False
+    if executor_side:
+        owner = find_caller(lambda o: _response_queues(getattr(o, "model_executor", None)))
+        queues = _response_queues(owner.model_executor) if owner is not None else []
+        spins = [getattr(q, "_spin_condition", None) for q in queues]
+    else:
+        owner = find_caller(lambda o: _spin_condition(o) is not None)
+        spins = [_spin_condition(owner)] if owner is not None else []
+    spins = [s for s in spins if getattr(s, "is_reader", False) and hasattr(s, "busy_loop_s")]
+    if not spins:
+        # One GPU (the worker in the engine process), or another executor: no queue.
+        RECORD.missed("reader_spin", "no multiprocess step or result queue on the stack")
+        return False
+    for spin in spins:
+        spin.busy_loop_s = spin_s
+    RECORD.attached("reader_spin")
+    return True
+
+
+def _response_queues(executor: Any) -> list[Any]:
+    queues = getattr(executor, "response_mqs", None)
+    return list(queues) if isinstance(queues, list | tuple) else []
+
+
 # -- step_notify (scheduler process, while vLLM builds the engine) ---------------------
 
 
@@ -390,6 +438,11 @@ def _static_problem(name: str) -> str:
             spin = getattr(shm_broadcast, "SpinCondition", None)
             source = _source(spin)
             return "" if "last_read" in source and "busy_loop_s" in source else "no SpinCondition"
+        if name == "reader_spin":
+            from vllm.distributed.device_communicators import shm_broadcast
+
+            source = _source(getattr(shm_broadcast, "SpinCondition", None))
+            return "" if "self.busy_loop_s" in source else "no busy_loop_s"
         if name == "step_notify":
             from vllm.distributed.device_communicators import shm_broadcast
 

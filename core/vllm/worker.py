@@ -19,7 +19,7 @@ from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
-from kvpush.vllm.hooks import RECORD, Parking
+from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
 from kvpush.vllm.metadata import (
     KVPushHandshake,
     KVPushMetadata,
@@ -123,6 +123,7 @@ class WorkerSide:
             self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         else:
             RECORD.missed("park_workers", "park_workers is false")
+        bound_reader_spin(self.config.reader_spin_s, executor_side=False)
         self._noted.hooks[self.rank] = RECORD.snapshot()
         if self.rank == 0:
             RECORD.log_attached("worker")

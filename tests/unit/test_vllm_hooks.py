@@ -19,7 +19,7 @@ def record(monkeypatch):
 def test_every_hook_declares_versions_a_target_and_a_cost():
     assert set(hooks.HOOKS) == {
         "connector_registry", "caller_kv_role", "engine_inbox", "idle_wait", "step_notify",
-        "park_workers",
+        "park_workers", "reader_spin",
     }  # fmt: skip
     for hook in hooks.HOOKS.values():
         assert hook.verified and hook.reaches and hook.cost, hook
@@ -34,8 +34,9 @@ def test_on_an_unverified_vllm_the_risky_hooks_stay_off_and_say_what_it_costs(
         assert hooks.ring_on_engine_inbox(lambda: None) is False
         assert not hooks.Parking.find().available
         assert hooks.prepare_step_notify() is False
+        assert hooks.bound_reader_spin(0.002, executor_side=False) is False
     states = record.snapshot()
-    for name in ("idle_wait", "engine_inbox", "step_notify", "park_workers"):
+    for name in ("idle_wait", "engine_inbox", "step_notify", "park_workers", "reader_spin"):
         assert states[name] == "off: vLLM 0.40.1 is not among 0.32, 0.33", states
         assert hooks.HOOKS[name].cost in caplog.text
     record.missed("idle_wait", "again")  # one warning per hook, not one per call

@@ -51,6 +51,9 @@ class _WorkerLoop:
     def register_kv_caches(self) -> Parking:
         return Parking.find()
 
+    def bound_spin(self, spin_s: float) -> bool:
+        return hooks.bound_reader_spin(spin_s, executor_side=False)
+
 
 def _read_after_lost_notify(writer, reader, delay: float = 0.05) -> float:
     """Seconds the reader takes to get a step written `delay` s later, whose notify is lost."""
@@ -155,3 +158,50 @@ def test_without_a_queue_parking_does_nothing():
     parking.park()
     parking.unpark()
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == VLLM_RECHECK_MS
+
+
+class _EngineReading:
+    """Stands where vLLM's engine core stands while it builds the scheduler, its
+    executor reading the workers' results."""
+
+    def __init__(self, readers) -> None:
+        self.model_executor = SimpleNamespace(response_mqs=readers)
+
+    def build_scheduler(self, spin_s: float) -> bool:
+        return hooks.bound_reader_spin(spin_s, executor_side=True)
+
+
+def _cpu_while_idle(writer, reader, idle_s: float = 0.4) -> float:
+    """CPU seconds the reader's thread takes waiting `idle_s` for a step after one it read."""
+    took = {}
+
+    def read_two() -> None:
+        reader.dequeue()
+        started = time.thread_time()
+        reader.dequeue()
+        took["cpu"] = time.thread_time() - started
+
+    thread = threading.Thread(target=read_two)
+    thread.start()
+    writer.enqueue("step 1")
+    time.sleep(idle_s)
+    writer.enqueue("step 2")
+    thread.join(10)
+    return took["cpu"]
+
+
+def test_a_bounded_reader_sleeps_between_steps_where_vllms_spins(queue):
+    writer, reader = queue
+    spinning = _cpu_while_idle(writer, reader)  # vLLM's: a second of sched_yield
+    loop = _WorkerLoop(reader)
+    assert loop.bound_spin(0.002) is True
+    assert reader._spin_condition.busy_loop_s == 0.002
+    bounded = _cpu_while_idle(writer, reader)
+    assert bounded < 0.05 and spinning > 4 * bounded, (spinning, bounded)
+
+
+def test_the_engine_process_bounds_its_workers_result_queues(queue):
+    _, reader = queue
+    assert _EngineReading([reader]).build_scheduler(0.002) is True
+    assert reader._spin_condition.busy_loop_s == 0.002
+    assert hooks.bound_reader_spin(0.002, executor_side=True) is False  # no engine above
