@@ -27,6 +27,7 @@ def decode_params(transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
         "remote_addresses": list(identity["addresses"]),
         "tp_size": identity["tp_size"],
         "remote_block_size": int(identity.get("block_size", 0)),
+        "remote_block_pages": bool(identity.get("block_pages", True)),
         "remote_dp_rank": identity.get("dp_rank", 0),
         "remote_data_parallel": bool(identity.get("data_parallel", False)),
     }
@@ -72,6 +73,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> dict[str, Any] | None
             "addresses": list(params["remote_addresses"]),
             "tp_size": params["tp_size"],
             "block_size": int(params.get("remote_block_size", 0)),
+            "block_pages": bool(params.get("remote_block_pages", True)),
             "dp_rank": int(params.get("remote_dp_rank", 0)),
             "data_parallel": bool(params.get("remote_data_parallel", False)),
         }

@@ -102,15 +102,26 @@ def tp_problem(src_world: int, dst_world: int, heads: int) -> str | None:
     return None
 
 
-def block_size_problem(src_tokens: int, dst_tokens: int) -> str | None:
+def block_size_problem(
+    src_tokens: int, dst_tokens: int, src_pages: bool = True, dst_pages: bool = True
+) -> str | None:
     """Why a producer of `src_tokens` tokens per block cannot fill a consumer's blocks
     of `dst_tokens`, or None. Pairable: one size divides the other, so that every
-    larger block is a whole number of the smaller ones."""
+    larger block is a whole number of the smaller ones, and both caches can be cut
+    into pages (`*_pages`: a side's blocks hold their tokens in a known order)."""
     if max(src_tokens, dst_tokens) % min(src_tokens, dst_tokens):
         return (
             f"block sizes differ: prefill holds {src_tokens} tokens per block, decode "
             f"{dst_tokens}; kvpush pairs block sizes only where one divides the other "
             "(a larger block must be whole pages of the smaller)"
+        )
+    if src_tokens != dst_tokens and not (src_pages and dst_pages):
+        which = "prefill's" if not src_pages else "decode's"
+        return (
+            f"block sizes differ: prefill holds {src_tokens} tokens per block, decode "
+            f"{dst_tokens}, and {which} KV cache keeps its tokens in its attention "
+            "kernel's own order (vLLM's CPU build), so a page of another block size is "
+            "not a slice of it; start both with the same --block-size"
         )
     return None
 
@@ -333,6 +344,8 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
         )
     if a.world == b.world and a.rank != b.rank:
         raise RegionError(f"rank mismatch: producer rank {a.rank}, consumer rank {b.rank}")
+    if src.tokens_per_block != dst.tokens_per_block:
+        _pageable(src, dst)
     if a.world == b.world and src.tokens_per_block == dst.tokens_per_block:
         split = pairing_split(src, dst)
         return units(src, split), units(dst, split)
@@ -343,8 +356,8 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
         raise RegionError(
             f"KV layouts differ in dtype: producer {src.dtype!r}, consumer {dst.dtype!r}"
         )
-    tokens_first = _tokens_first(src.inner) and _tokens_first(dst.inner)
-    if src.tokens_per_block != dst.tokens_per_block and a.world == b.world and tokens_first:
+    heads_first = _heads_first(src.inner) or _heads_first(dst.inner)
+    if src.tokens_per_block != dst.tokens_per_block and a.world == b.world and not heads_first:
         pairing_split(src, dst, same_tokens=False)
         # A page is a token range of K, or of V: never of both at once.
         return _paged(src, dst, _kv_units(src), _kv_units(dst))
@@ -375,8 +388,8 @@ def _heads(piece: Piece) -> range:
     return range(piece.first, piece.first + piece.count)
 
 
-def _tokens_first(inner: str) -> bool:
-    return inner.startswith("tokens:")
+def _heads_first(inner: str) -> bool:
+    return inner.startswith("heads:")
 
 
 def _without_tokens(inner: str) -> str:
@@ -388,20 +401,51 @@ def _paged(
     src: KVLayout, dst: KVLayout, src_units: list[Unit], dst_units: list[Unit]
 ) -> tuple[list[Unit], list[Unit]]:
     """Aligned units, the larger block's cut into pages of the smaller block's tokens.
-    Each unit must hold one run of tokens: the whole block's (tokens outermost) or one
-    head's (tokens just below the heads)."""
+
+    A unit is one head's slice of a block (heads outermost) or the whole block. What
+    lies above the tokens inside it (vLLM's CPU cache keeps each head's K for every
+    token, then its V) makes that many runs of tokens, each cut into pages apart."""
     f_src, f_dst = page_factors(src.tokens_per_block, dst.tokens_per_block)
     if f_src == f_dst:
         return src_units, dst_units
-    for layout in (src, dst):
-        dims = layout.inner.split(",")
-        if not (_tokens_first(layout.inner) or (dims[1:2] and _tokens_first(dims[1]))):
-            raise RegionError(
-                "block sizes differ, and a page of a larger block is one slice only when a "
-                "block's tokens lie outermost in it or in each head's part of it; this "
-                f"layout's block is [{layout.inner}]"
-            )
-    return _pages_of(src_units, f_src), _pages_of(dst_units, f_dst)
+    runs = _pageable(src, dst)
+    return (_pages_of(_runs_of(src_units, runs), f_src),
+            _pages_of(_runs_of(dst_units, runs), f_dst))  # fmt: skip
+
+
+def _pageable(src: KVLayout, dst: KVLayout) -> int:
+    """The runs of tokens in a unit of either layout; RegionError if pages cannot be cut."""
+    runs = _token_runs(src.inner)
+    if runs is None or runs != _token_runs(dst.inner):
+        shown = src.inner if runs is None else dst.inner
+        raise RegionError(
+            "block sizes differ, and a page of a larger block is a slice only when a "
+            f"block names its tokens and both sides hold them alike; this layout's block "
+            f"is [{shown}]"
+        )
+    return runs
+
+
+def _token_runs(inner: str) -> int | None:
+    """How many runs of tokens a unit of this block holds (the sizes of the dims above
+    its tokens, below the heads), or None when it has no tokens dimension."""
+    dims = inner.split(",")
+    if dims and dims[0].startswith("heads:"):
+        dims = dims[1:]
+    runs = 1
+    for dim in dims:
+        name, _, size = dim.partition(":")
+        if name == "tokens":
+            return runs
+        runs *= int(size or 1)
+    return None
+
+
+def _runs_of(layout_units: list[Unit], runs: int) -> list[Unit]:
+    if runs == 1:
+        return layout_units
+    return [u._replace(base=u.base + r * (u.nbytes // runs), nbytes=u.nbytes // runs)
+            for u in layout_units for r in range(runs)]  # fmt: skip
 
 
 def _pages_of(layout_units: list[Unit], pages: int) -> list[Unit]:

@@ -106,7 +106,10 @@ def pairing_problem(prefill: dict[str, Any], decode: dict[str, Any]) -> str | No
         )
     prefill_block, decode_block = prefill.get("block_size", 0), decode.get("block_size", 0)
     if prefill_block and decode_block:
-        problem = block_size_problem(prefill_block, decode_block)
+        problem = block_size_problem(
+            prefill_block, decode_block,
+            prefill.get("block_pages", True), decode.get("block_pages", True),
+        )  # fmt: skip
         if problem:
             return problem
     return tp_problem(int(prefill["tp_size"]), int(decode["tp_size"]), 0)

@@ -51,6 +51,13 @@ def _show_kvpush_logs() -> None:
     _log_handler_installed = True
 
 
+def _cpu_attention(vllm_config: VllmConfig) -> bool:
+    """Whether the KV cache is vLLM CPU attention's (kvpush.vllm.worker.VLLM_CPU_DIMS)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cpu" and not vllm_config.model_config.use_mla
+
+
 class KVPushConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
@@ -85,6 +92,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 data_parallel=data_parallel,
                 lockstep=parallel.data_parallel_size > 1,
                 model_name=_served_name(vllm_config),
+                block_pages=not _cpu_attention(vllm_config),
             )
             # vLLM's engine is being built: it is on the stack.
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
@@ -111,6 +119,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 dp_rank=dp_rank,
                 # MLA's latent is one "head" every rank holds whole.
                 kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+                cpu_attention=_cpu_attention(vllm_config),
             )
 
     # -- scheduler side ----------------------------------------------------------------

@@ -92,10 +92,13 @@ class SchedulerSide:
         lockstep: bool = False,
         bootstrap: BootstrapResolver | None = None,
         model_name: str = "",
+        block_pages: bool = True,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        # Whether a peer of another block size may take our blocks as pages of its own.
+        self.block_pages = block_pages
         self.world = world
         self.prefix_caching = prefix_caching
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
@@ -183,6 +186,7 @@ class SchedulerSide:
             "transfer_mode": self.config.protocol.mode,
             "tp_size": self.world,
             "block_size": self.block_size,
+            "block_pages": self.block_pages,
             "dp_rank": self.dp_rank,
             "data_parallel": self.data_parallel,
             "addresses": [self._ranks[r].address for r in sorted(self._ranks)],

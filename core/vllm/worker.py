@@ -35,6 +35,18 @@ log = logging.getLogger(__name__)
 # vLLM (>= 0.32) hands every attention layer's cache with the logical shape
 # [num_blocks, kv_heads, block_size, K and V packed]; strides say how it really lies.
 VLLM_KV_DIMS = ("blocks", "heads", "tokens", "kvdim")
+# vLLM's CPU attention does not keep a block's tokens in the rows its logical shape
+# shows: it views each head's part as K for the block, then V, and its kernels order
+# K inside that by their own tiling. Only a head's whole part of a block has a known
+# meaning, so it is described as one opaque run a head: whole blocks and head slices
+# (mixed TP) move, and a page of another block size is refused, not guessed at.
+VLLM_CPU_DIMS = ("blocks", "heads", "cpu_attention")
+
+
+def as_head_parts(kv_caches: dict[str, Any]) -> dict[str, Any]:
+    """vLLM CPU caches [blocks, heads, tokens, 2 * dim] as [blocks, heads, the rest]
+    (a view: it raises rather than copy, should a cache not be laid out so)."""
+    return {name: cache.view(*cache.shape[:2], -1) for name, cache in kv_caches.items()}
 
 
 def check_blocks_match(
@@ -81,8 +93,10 @@ class WorkerSide:
         backends: Backends | None = None,
         dp_rank: int = 0,
         kv_heads: int = 0,
+        cpu_attention: bool = False,
     ) -> None:
         self.config = config
+        self.cpu_attention = cpu_attention  # the cache is vLLM CPU attention's (VLLM_CPU_DIMS)
         self.engine_id = engine_id
         self.role = KV_ROLES[kv_role]
         self.rank, self.world = rank, world
@@ -127,7 +141,14 @@ class WorkerSide:
         self._noted.hooks[self.rank] = RECORD.snapshot()
         if self.rank == 0:
             RECORD.log_attached("worker")
-        kv = self.backends.describe(kv_caches, VLLM_KV_DIMS, self.config.device_options)
+        options = self.config.device_options
+        if self.cpu_attention:
+            tokens = next(iter(kv_caches.values())).shape[2]
+            kv_caches, dims = as_head_parts(kv_caches), VLLM_CPU_DIMS
+            options = {**options, "tokens_per_block": tokens}
+        else:
+            dims = VLLM_KV_DIMS
+        kv = self.backends.describe(kv_caches, dims, options)
         check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
         check_heads(kv.layout.inner, self.shard)
         kv.layout = msgspec.structs.replace(kv.layout, shard=self.shard)

@@ -409,6 +409,26 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     assert hooks["worker0"]["park_workers"] == "attached", hooks
 
 
+def test_between_requests_neither_instance_spins(cluster, router, client):
+    """vLLM's step and result queues spin for a second after every read; a decode
+    answering a request a second would spin a core per worker all the time. With
+    reader_spin_s (2 ms) the second after an answer costs almost nothing."""
+    pids = {name: cluster.servers[name].process.pid for name in ("prefill", "decode")}
+    idle: dict[str, float] = {}
+    for attempt in range(2):
+        client.tokens(router, prompt(300, 900 + attempt), max_tokens=4)
+        before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        time.sleep(1.0)  # vLLM's readers would spin all of it
+        for name, pid in pids.items():
+            idle[name] = max(idle.get(name, 0.0), tree_cpu_seconds(pid) - before[name])
+    print(f"CPU seconds in the second after an answer: {idle}")
+    assert all(cores < 0.3 for cores in idle.values()), idle
+    for name in ("prefill", "decode"):
+        hooks = client.http.get(cluster.identity_url(name) + "/kvpush/state?detail=1").json()
+        assert hooks["hooks"]["scheduler"].get("reader_spin") == "attached", hooks["hooks"]
+        assert hooks["hooks"]["worker0"].get("reader_spin") == "attached", hooks["hooks"]
+
+
 def test_spans_say_where_a_requests_time_went_at_the_router_and_both_instances(
     cluster, router, client
 ):

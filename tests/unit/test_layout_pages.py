@@ -26,10 +26,13 @@ from kvpush.layout import (
 
 DIM, LAYERS, BLOCKS = 2, 2, 16
 PROMPT = 22  # tokens of KV that move: a whole number of no block size here
-# Per kind: the cache's shape for (blocks, heads, tokens) and its dims. "nhd" has
-# the tokens outermost in a block (vLLM's NHD layout on GPUs).
+# Per kind: the cache's shape for (blocks, heads, tokens) and its dims. "planes" keeps
+# each head's K for every token, then its V; "packed" keeps K and V side by side in
+# each token's row; "nhd" has the tokens outermost in a block (vLLM's NHD layout on
+# GPUs). (vLLM's CPU cache orders K by its kernels' tiling: kvpush refuses to page it.)
 KINDS = {
-    "cpu": (lambda b, h, t: (b, h, t, 2 * DIM), ("blocks", "heads", "tokens", "kvdim")),
+    "planes": (lambda b, h, t: (b, h, 2, t, DIM), ("blocks", "heads", "planes", "tokens", "dim")),
+    "packed": (lambda b, h, t: (b, h, t, 2 * DIM), ("blocks", "heads", "tokens", "kvdim")),
     "hnd": (lambda b, h, t: (b, 2, h, t, DIM), ("blocks", "kv", "heads", "tokens", "dim")),
     "neuron": (lambda b, h, t: (2, b, h, t, DIM), ("kv", "blocks", "heads", "tokens", "dim")),
     "nhd": (lambda b, h, t: (b, 2, t, h, DIM), ("blocks", "kv", "tokens", "heads", "dim")),
@@ -44,7 +47,9 @@ def _token_data(layer: int, head: int) -> np.ndarray:
 
 def _put(kind: str, array: np.ndarray, block: int, slot: int, i: int, kv: np.ndarray) -> None:
     """Write one token's K/V of the rank's `i`th head into `slot` of `block`."""
-    if kind == "cpu":
+    if kind == "planes":
+        array[block, i, :, slot] = kv
+    elif kind == "packed":
         array[block, i, slot] = np.concatenate([kv[0], kv[1]])
     elif kind == "hnd":
         array[block, :, i, slot] = kv
@@ -55,7 +60,9 @@ def _put(kind: str, array: np.ndarray, block: int, slot: int, i: int, kv: np.nda
 
 
 def _get(kind: str, array: np.ndarray, block: int, slot: int, i: int) -> np.ndarray:
-    if kind == "cpu":
+    if kind == "planes":
+        return array[block, i, :, slot]
+    if kind == "packed":
         return np.stack([array[block, i, slot, :DIM], array[block, i, slot, DIM:]])
     if kind == "hnd":
         return array[block, :, i, slot]
@@ -141,11 +148,11 @@ def test_a_prefix_the_consumer_holds_is_skipped_and_the_rest_lands(src_tokens, d
     shard = Shard(0, 1, 2)
     src_blocks = _shuffled(3)[: -(-PROMPT // src_tokens)]
     dst_blocks = _shuffled(4)[: -(-PROMPT // dst_tokens)]
-    _, src = _rank("cpu", shard, src_tokens, src_blocks)
-    arrays, dst = _rank("cpu", shard, dst_tokens, None)
+    _, src = _rank("planes", shard, src_tokens, src_blocks)
+    arrays, dst = _rank("planes", shard, dst_tokens, None)
     _move(src, dst, src_blocks, dst_blocks, skip_tokens=dst_tokens)
     for layer, i, t in itertools.product(range(LAYERS), range(2), range(PROMPT)):
-        got = _get("cpu", arrays[layer], dst_blocks[t // dst_tokens], t % dst_tokens, i)
+        got = _get("planes", arrays[layer], dst_blocks[t // dst_tokens], t % dst_tokens, i)
         held = t >= dst_tokens
         assert np.array_equal(got, _token_data(layer, i)[t] if held else np.zeros((2, DIM))), t
 
@@ -156,31 +163,25 @@ def test_pages_count_blocks_in_the_smaller_size():
     assert blocks_of([11, 4, 5], 2) == [5, 2]
 
 
-def test_a_larger_block_costs_descriptors_per_head_and_page_only():
-    """CPU layout, 2 heads a rank, 128-token blocks into 64-token ones: each unit is
-    one head's page (K and V together), so a block costs heads x pages rows a layer."""
-    _, src = _rank("cpu", Shard(0, 1, 2), 8, [0, 1, 2])
-    _, dst = _rank("cpu", Shard(0, 1, 2), 4, None)
+def test_a_larger_block_costs_descriptors_per_head_plane_and_page_only():
+    """K and V planes, 2 heads a rank, 8-token blocks into 4-token ones: each unit is
+    one head's K or V page, so a page costs heads x 2 rows a layer."""
+    _, src = _rank("planes", Shard(0, 1, 2), 8, [0, 1, 2])
+    _, dst = _rank("planes", Shard(0, 1, 2), 4, None)
     rows = _move(src, dst, [0, 1, 2], [0, 1, 2, 3, 4, 5])
-    assert rows == LAYERS * 2 * 6  # layers x heads x pages (22 tokens: 6 pages of 4)
+    assert rows == LAYERS * 2 * 2 * 6  # layers x heads x K/V x pages (22 tokens: 6 of 4)
 
 
 def test_block_sizes_that_do_not_divide_or_cannot_be_paged_are_refused():
     shard = Shard(0, 1, 2)
-    _, six = _rank("cpu", shard, 6, None)
-    _, four = _rank("cpu", shard, 4, None)
+    _, six = _rank("planes", shard, 6, None)
+    _, four = _rank("planes", shard, 4, None)
     with pytest.raises(RegionError, match="prefill holds 6 tokens per block, decode 4"):
         plan(six, four)
-    # Tokens innermost (below each head's dims): a page is no one slice.
-    odd = layout_from_views(
-        {"l": host_view(np.zeros((BLOCKS, 2, 2, DIM, 8), np.float32))},
-        ("blocks", "kv", "heads", "dim", "tokens"),
-    )
-    odd = msgspec.structs.replace(odd, shard=shard)
-    other = layout_from_views(
-        {"l": host_view(np.zeros((BLOCKS, 2, 2, DIM, 4), np.float32))},
-        ("blocks", "kv", "heads", "dim", "tokens"),
-    )
-    other = msgspec.structs.replace(other, shard=shard)
-    with pytest.raises(RegionError, match="tokens lie outermost"):
-        plan(odd, other)
+    # No tokens dimension at all: nothing says where a page lies.
+    opaque = [layout_from_views({"l": host_view(np.zeros((BLOCKS, 64 * n), np.uint8))},
+                                ("blocks", "bytes"), tokens_per_block=n)
+              for n in (8, 4)]  # fmt: skip
+    opaque = [msgspec.structs.replace(o, shard=shard) for o in opaque]
+    with pytest.raises(RegionError, match="a page of a larger block is a slice only when"):
+        plan(*opaque)

@@ -523,8 +523,16 @@ def test_requests_go_only_to_a_decode_whose_blocks_and_ranks_pair_with_prefill(m
             ["block sizes differ", "prefill holds 128 tokens per block, decode 96", "one divides"],
         ),
         (_identity("d", 128, tp_size=3), ["tensor-parallel sizes 2 (prefill) and 3 (decode)"]),
+        (
+            {**_identity("d", 64, tp_size=2), "block_pages": False},
+            [
+                "prefill holds 128 tokens per block, decode 64",
+                "decode's KV cache keeps its tokens in its attention kernel's own order",
+                "same --block-size",
+            ],
+        ),
     ],
-    ids=["block-size", "tensor-parallel"],
+    ids=["block-size", "tensor-parallel", "block-size-unpaged"],
 )
 def test_a_pair_that_cannot_exchange_kv_is_refused_with_both_sides_values(mode, decode, named):
     prefill = _identity("p", 128, tp_size=2, mode=mode)
