@@ -18,8 +18,8 @@ which producer rank fills each consumer rank's heads (exactly one per head, amon
 replicas when there are fewer heads than ranks). BlockTable turns a layout's
 transfer units into NIXL descriptor rows.
 
-Workers of different block sizes pair when one size divides the other and a block's
-tokens lie outermost inside each head's slice (or inside the block): the pair then
+Workers of different block sizes pair when one size divides the other and both
+layouts name where a block's tokens lie (a `tokens` dimension): the pair then
 counts in pages of the smaller size, and each larger block is that many pages, at
 fixed offsets inside it. Block ids on the wire between two such peers are page ids
 (block b of a side with f pages a block is pages b·f to b·f + f - 1), so a page
@@ -403,8 +403,8 @@ def _paged(
     """Aligned units, the larger block's cut into pages of the smaller block's tokens.
 
     A unit is one head's slice of a block (heads outermost) or the whole block. What
-    lies above the tokens inside it (vLLM's CPU cache keeps each head's K for every
-    token, then its V) makes that many runs of tokens, each cut into pages apart."""
+    lies above the tokens inside it (K and V planes, say) makes that many runs of
+    tokens, each cut into pages apart."""
     f_src, f_dst = page_factors(src.tokens_per_block, dst.tokens_per_block)
     if f_src == f_dst:
         return src_units, dst_units

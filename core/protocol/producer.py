@@ -587,7 +587,7 @@ class Producer:
             return "the registration names a KV layout other than the one in the handshake"
         if len(message.block_ids) != 1:
             return f"{len(message.block_ids)} KV cache groups; one is supported"
-        _, pages = self._pages(peer)
+        _, pages = self._factors(peer)
         count = consumer.num_blocks * pages
         bad = [b for b in message.block_ids[0] if b >= count]
         if bad:
@@ -597,7 +597,7 @@ class Producer:
             return "a destination block appears twice"
         return None
 
-    def _pages(self, peer: str) -> tuple[int, int]:
+    def _factors(self, peer: str) -> tuple[int, int]:
         """Pages per block, ours and the consumer's at `peer`: with different block sizes
         a pair counts blocks in pages of the smaller (ids on the wire are page ids)."""
         theirs = self._peers[peer].layout.tokens_per_block
@@ -606,7 +606,7 @@ class Producer:
     def _sources(self, transfer: _Transfer) -> list[int]:
         """The KV's pages, after those the consumer holds already."""
         assert transfer.kv_blocks is not None and transfer.peer is not None
-        ours, _ = self._pages(transfer.peer)
+        ours, _ = self._factors(transfer.peer)
         return to_pages(transfer.kv_blocks, ours)[transfer.skip_blocks :]
 
     def _fits(self, transfer: _Transfer, wanted: int, held: int) -> int | None:
@@ -614,7 +614,7 @@ class Producer:
         wants KV we do not have. Its last block may reach past our last page by less
         than a block of its own: tokens the prompt does not have."""
         assert transfer.peer is not None
-        _, theirs = self._pages(transfer.peer)
+        _, theirs = self._factors(transfer.peer)
         return min(wanted, held) if wanted - held < theirs else None
 
     def _write_more(self, transfer: _Transfer, now: float) -> list[Action]:
@@ -671,7 +671,7 @@ class Producer:
         consumer's last is not either (the last step checks that count). The WRITE
         that fills decode's last block carries the notification: decode has all it
         asked for then, even if prefill has more to compute."""
-        ours, _ = self._pages(transfer.peer)
+        ours, _ = self._factors(transfer.peer)
         upto = min(transfer.blocks_ready * ours - transfer.skip_blocks, len(destinations))
         if upto <= transfer.blocks_written:
             return []
@@ -742,7 +742,7 @@ class Producer:
         # The consumer holds the first blocks already (prefix cache): grant the rest.
         pages = sources[:fits]
         grant = Grant(transfer.transfer_id, [pages], self.config.lease_s)
-        ours, _ = self._pages(transfer.peer)
+        ours, _ = self._factors(transfer.peer)
         return [
             ExposeBlocks(transfer.transfer_id, blocks_of(pages, ours), transfer.peer),
             Send(transfer.peer, grant),
