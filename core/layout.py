@@ -344,8 +344,7 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
         )
     if a.world == b.world and a.rank != b.rank:
         raise RegionError(f"rank mismatch: producer rank {a.rank}, consumer rank {b.rank}")
-    if src.tokens_per_block != dst.tokens_per_block:
-        _pageable(src, dst)
+    runs = _pageable(src, dst) if src.tokens_per_block != dst.tokens_per_block else 1
     if a.world == b.world and src.tokens_per_block == dst.tokens_per_block:
         split = pairing_split(src, dst)
         return units(src, split), units(dst, split)
@@ -360,7 +359,7 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
     if src.tokens_per_block != dst.tokens_per_block and a.world == b.world and not heads_first:
         pairing_split(src, dst, same_tokens=False)
         # A page is a token range of K, or of V: never of both at once.
-        return _paged(src, dst, _kv_units(src), _kv_units(dst))
+        return _paged(src, dst, _kv_units(src), _kv_units(dst), runs)
     src_units, dst_units = _head_units(src), _head_units(dst)
     if _without_tokens(_per_head(src.inner)) != _without_tokens(_per_head(dst.inner)):
         raise RegionError(
@@ -381,7 +380,7 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
         for piece in pieces:
             planned_src.append(_heads_of(s_unit, a, piece))
             planned_dst.append(_heads_of(d_unit, b, piece))
-    return _paged(src, dst, planned_src, planned_dst)
+    return _paged(src, dst, planned_src, planned_dst, runs)
 
 
 def _heads(piece: Piece) -> range:
@@ -398,17 +397,16 @@ def _without_tokens(inner: str) -> str:
 
 
 def _paged(
-    src: KVLayout, dst: KVLayout, src_units: list[Unit], dst_units: list[Unit]
+    src: KVLayout, dst: KVLayout, src_units: list[Unit], dst_units: list[Unit], runs: int
 ) -> tuple[list[Unit], list[Unit]]:
     """Aligned units, the larger block's cut into pages of the smaller block's tokens.
 
     A unit is one head's slice of a block (heads outermost) or the whole block. What
-    lies above the tokens inside it (K and V planes, say) makes that many runs of
-    tokens, each cut into pages apart."""
+    lies above the tokens inside it (K and V planes, say) makes `runs` runs of tokens
+    (`_pageable`), each cut into pages apart."""
     f_src, f_dst = page_factors(src.tokens_per_block, dst.tokens_per_block)
     if f_src == f_dst:
         return src_units, dst_units
-    runs = _pageable(src, dst)
     return (_pages_of(_runs_of(src_units, runs), f_src),
             _pages_of(_runs_of(dst_units, runs), f_dst))  # fmt: skip
 
