@@ -114,15 +114,18 @@ def _traces(client: Client, identities: dict[str, str]) -> tuple[list[dict], dic
 
 
 def _hand_off(client: Client, identities: dict[str, str], concurrent: bool) -> None:
-    """Concurrent: kvpush's backend shaped the legs (its transfer ids) and each decode
-    leg arrived before prefill had computed its KV. Sequential: Ray's default shape
-    (the prefill instance named the transfer) and decode arrived after."""
+    """Concurrent: kvpush's backend shaped the legs (its transfer ids: decode's leg was
+    sent with nothing from prefill's answer). Sequential: Ray's default shape (the
+    prefill instance named the transfer) and decode arrived only after prefill had
+    computed. Whether a concurrent decode leg arrives before prefill computes is a race
+    that a fast machine loses, so only the sequential order, which is causal, is checked."""
     decoded, prefilled = _traces(client, identities)
     assert len(decoded) == len(LENGTHS)
     for trace in decoded:
-        computed = prefilled[trace["transfer_id"]]["marks"]["computed"]
         assert trace["transfer_id"].startswith("ray-") == concurrent, trace
-        assert (trace["marks"]["arrived"] < computed) == concurrent, trace
+        if not concurrent:
+            computed = prefilled[trace["transfer_id"]]["marks"]["computed"]
+            assert trace["marks"]["arrived"] > computed, trace
 
 
 def _drained(client: Client, identities: dict[str, str]) -> None:
