@@ -31,6 +31,7 @@ class Outcome:
 
     ok: bool
     ttft: float = 0.0
+    t2t: float | None = None  # when the second token arrived (None: fewer than two)
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -157,8 +158,13 @@ async def _decode_leg(
                 ids = choice.get("token_ids") or []
                 if not (ids or choice.get("text")):
                     continue
-                outcome.token_times.append(time.monotonic() - sent)
+                now = time.monotonic() - sent
+                outcome.token_times.append(now)
                 outcome.token_ids += ids
+                # Counted in tokens, not chunks: one chunk may carry the first two.
+                arrived = len(outcome.token_ids) if ids else len(outcome.token_times)
+                if outcome.t2t is None and arrived >= 2:
+                    outcome.t2t = now
                 outcome.text += choice.get("text") or ""
     if not outcome.token_times:
         return Outcome(False, error="the stream ended without a token")

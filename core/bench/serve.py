@@ -20,8 +20,13 @@ length x request rate — sends Poisson arrivals of fresh greedy prompts and rec
 TTFT, TPOT and ITL percentiles, goodput under the SLO, failures, outputs that differ
 from the plain instance's, and each server tree's CPU while idle and under load.
 
+Each cell also records the time to the second token (T2T) and every request's TTFT,
+and, on kvpush instances, the spans of where the time went (kvpush.vllm.spans).
+
 Results: JSON lines (results.jsonl, and stdout with --json), a Markdown table
-(table.md) and plots (ttft-<placement>.png, tpot-<placement>.png) in --out.
+(table.md) and plots in --out, per placement: ttft-, tpot- (by rate, or bars for
+one rate), where- (mean TTFT split into its spans, a stacked bar per configuration)
+and ttft-cdf-<placement>.png.
 """
 
 from __future__ import annotations
@@ -114,6 +119,12 @@ class Cell:
     # kvpush instances: where this cell's requests' time went on each (GET
     # /kvpush/spans, counted afresh every cell).
     spans: dict[str, dict] = field(default_factory=dict)
+    # Time to the second token, as the streaming client saw it.
+    t2t_p50_ms: float | None = None
+    t2t_p90_ms: float | None = None
+    t2t_p99_ms: float | None = None
+    ttft_mean_ms: float | None = None
+    ttfts_ms: list[float] = field(default_factory=list)  # every answered request's, sorted
 
 
 class Deployment:
@@ -250,6 +261,7 @@ def summarize(
     ttfts = [o.ttft for o in ok]
     tpots = [t for o in ok if (t := o.tpot) is not None]
     itls = [gap for o in ok for gap in o.itls]
+    t2ts = [t for o in ok if (t := o.t2t) is not None]
     mismatches = 0
     if expected is not None:
         mismatches = sum(
@@ -260,6 +272,7 @@ def summarize(
         for o in ok
         if o.ttft * 1e3 <= settings.slo_ttft_ms and (o.tpot or 0) * 1e3 <= settings.slo_tpot_ms
     )
+    t2t_p50, t2t_p90, t2t_p99 = (_ms(load.percentile(t2ts, q)) for q in (50, 90, 99))
     return Cell(
         config, placement, length, rate, len(outcomes), len(outcomes) - len(ok), mismatches,
         *(_ms(load.percentile(ttfts, q)) for q in (50, 90, 99)),
@@ -267,7 +280,40 @@ def summarize(
         *(_ms(load.percentile(itls, q)) for q in (50, 90, 99)),
         round(good / seconds, 3) if seconds else 0.0, round(seconds, 2), idle, busy,
         [o.error[:300] for o in outcomes if not o.ok][:3],
+        t2t_p50_ms=t2t_p50, t2t_p90_ms=t2t_p90, t2t_p99_ms=t2t_p99,
+        ttft_mean_ms=_ms(sum(ttfts) / len(ttfts)) if ttfts else None,
+        ttfts_ms=sorted(round(t * 1e3, 1) for t in ttfts),
     )  # fmt: skip
+
+
+# A disaggregated request's first token, from the client's send to its arrival, in
+# the order its time passes: (label, the span whose mean it is). What the
+# spans do not cover -- decode's first step, the router and HTTP both ways -- is the
+# rest of the client's TTFT.
+TIME_GOES = (
+    ("prefill queue", "prefill.queued"),
+    ("prefill compute", "prefill.compute"),
+    ("hand-off", "decode.handoff"),
+    ("report", "decode.report"),
+    ("resume", "decode.resume"),
+)
+REST = "decode step, router, HTTP"
+
+
+def where_time_goes(cell: Cell) -> dict[str, float]:
+    """The cell's mean TTFT (ms) split into the spans' means and the rest, in order.
+    Means, not percentiles, so the parts add up; a configuration without kvpush's
+    spans (plain, upstream) is one part. Empty when nothing was answered."""
+    if cell.ttft_mean_ms is None:
+        return {}
+    spans = {key: phase for summary in cell.spans.values() for key, phase in summary.items()}
+    parts = {label: spans[key]["mean_ms"] for label, key in TIME_GOES if key in spans}
+    if not parts:
+        return {cell.config: cell.ttft_mean_ms}
+    # Span means cover requests that reached every milestone; the client's covers all
+    # it got an answer for. On a machine this noisy they can disagree by a little.
+    parts[REST] = max(0.0, cell.ttft_mean_ms - sum(parts.values()))
+    return {label: round(ms, 2) for label, ms in parts.items()}
 
 
 class Bench:
@@ -393,16 +439,17 @@ def markdown(cells: list[Cell]) -> str:
              if c.config == "plain"}  # fmt: skip
     rows = [
         "| placement | prompt | rate /s | config | TTFT p50 ms | x plain | TTFT p90 | TTFT p99 "
-        "| TPOT p50 ms | TPOT p99 | ITL p99 | goodput /s | failed | mismatched | CPU idle "
-        "| CPU load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| T2T p50 ms | T2T p90 | TPOT p50 ms | TPOT p99 | ITL p99 | goodput /s | failed "
+        "| mismatched | CPU idle | CPU load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in sorted(cells, key=lambda c: (c.placement, c.prompt_len, c.rate, c.config)):
         base = plain.get((c.placement, c.prompt_len, c.rate))
         ratio = f"{c.ttft_p50_ms / base:.2f}" if base and c.ttft_p50_ms else "—"
         rows.append(
             f"| {c.placement} | {c.prompt_len} | {c.rate:g} | {c.config} | {_f(c.ttft_p50_ms)} "
-            f"| {ratio} | {_f(c.ttft_p90_ms)} | {_f(c.ttft_p99_ms)} | {_f(c.tpot_p50_ms)} "
+            f"| {ratio} | {_f(c.ttft_p90_ms)} | {_f(c.ttft_p99_ms)} | {_f(c.t2t_p50_ms)} "
+            f"| {_f(c.t2t_p90_ms)} | {_f(c.tpot_p50_ms)} "
             f"| {_f(c.tpot_p99_ms)} | {_f(c.itl_p99_ms)} | {c.goodput_rps:g} | {c.failures} "
             f"| {c.mismatches} | {_cpu(c.cpu_idle_cores)} | {_cpu(c.cpu_load_cores)} |"
         )
@@ -418,8 +465,8 @@ def _cpu(cores: dict[str, float]) -> str:
 
 
 def plots(cells: list[Cell], out: Path) -> list[Path]:
-    """TTFT and TPOT p50 against request rate: a panel per prompt length, a line per
-    configuration, a file per placement and metric."""
+    """Per placement: TTFT and TPOT p50 by configuration (against request rate, or as
+    bars when the run had one rate), where the mean TTFT goes, and TTFT's CDF."""
     try:
         import matplotlib
 
@@ -432,31 +479,101 @@ def plots(cells: list[Cell], out: Path) -> list[Path]:
     written = []
     for placement in sorted({c.placement for c in cells}):
         mine = [c for c in cells if c.placement == placement]
-        lengths = sorted({c.prompt_len for c in mine})
         for metric, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)")):
-            figure, axes = plt.subplots(
-                1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False
-            )
-            for axis, length in zip(axes[0], lengths, strict=True):
-                for config in CONFIGS:
-                    points = sorted(
-                        (c.rate, getattr(c, metric)) for c in mine
-                        if c.config == config and c.prompt_len == length
-                        and getattr(c, metric) is not None
-                    )  # fmt: skip
-                    if points:
-                        axis.plot(*zip(*points, strict=True), marker="o", label=config)
-                axis.set_title(f"{length}-token prompts, {placement}")
-                axis.set_xlabel("requests per second")
-                axis.set_ylabel(label)
-                axis.set_yscale("log")
-                axis.legend()
-            path = out / f"{metric.split('_')[0]}-{placement}.png"
-            figure.tight_layout()
-            figure.savefig(path, dpi=100)
-            plt.close(figure)
-            written.append(path)
+            figure = _by_rate(plt, mine, metric, label)
+            written.append(_save(plt, figure, out / f"{metric.split('_')[0]}-{placement}.png"))
+        figure = _per_cell(plt, mine, _where_bars, "mean TTFT (ms)")
+        written.append(_save(plt, figure, out / f"where-{placement}.png"))
+        figure = _per_cell(plt, mine, _cdf_lines, "share of requests")
+        written.append(_save(plt, figure, out / f"ttft-cdf-{placement}.png"))
     return written
+
+
+def _configs(cells: list[Cell]) -> list[str]:
+    return [config for config in CONFIGS if any(c.config == config for c in cells)]
+
+
+def _by_rate(plt: Any, cells: list[Cell], metric: str, label: str) -> Any:
+    """A panel per prompt length: a line per configuration against request rate, or,
+    with one rate, a bar per configuration (one point a line says nothing)."""
+    lengths = sorted({c.prompt_len for c in cells})
+    rates = sorted({c.rate for c in cells})
+    figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for axis, length in zip(axes[0], lengths, strict=True):
+        here = [c for c in cells if c.prompt_len == length and getattr(c, metric) is not None]
+        if len(rates) == 1:
+            names = _configs(here)
+            values = [next(getattr(c, metric) for c in here if c.config == n) for n in names]
+            bars = axis.bar(names, values, color=[f"C{CONFIGS.index(n)}" for n in names])
+            axis.bar_label(bars, fmt="%.0f")
+            axis.set_title(f"{length}-token prompts, {rates[0]:g}/s, {cells[0].placement}")
+        else:
+            for config in _configs(here):
+                points = sorted((c.rate, getattr(c, metric)) for c in here if c.config == config)
+                axis.plot(*zip(*points, strict=True), marker="o", label=config,
+                          color=f"C{CONFIGS.index(config)}")  # fmt: skip
+            axis.set_title(f"{length}-token prompts, {cells[0].placement}")
+            axis.set_xlabel("requests per second")
+            axis.set_yscale("log")
+            axis.legend()
+        axis.set_ylabel(label)
+    return figure
+
+
+def _per_cell(plt: Any, cells: list[Cell], draw: Callable[[Any, list[Cell]], None],
+              label: str) -> Any:  # fmt: skip
+    """A panel per (prompt length, rate), drawn by `draw` from that cell's configurations."""
+    lengths = sorted({c.prompt_len for c in cells})
+    rates = sorted({c.rate for c in cells})
+    figure, axes = plt.subplots(
+        len(rates), len(lengths), figsize=(6 * len(lengths), 4 * len(rates)), squeeze=False
+    )
+    for row, rate in enumerate(rates):
+        for column, length in enumerate(lengths):
+            axis = axes[row][column]
+            draw(axis, [c for c in cells if c.prompt_len == length and c.rate == rate])
+            axis.set_title(f"{length}-token prompts, {rate:g}/s, {cells[0].placement}")
+            axis.set_ylabel(label)
+    return figure
+
+
+def _where_bars(axis: Any, cells: list[Cell]) -> None:
+    """A stacked bar per configuration: its mean TTFT, part by part."""
+    labels = [label for label, _ in TIME_GOES] + [REST]
+    names = _configs(cells)
+    splits = {n: where_time_goes(next(c for c in cells if c.config == n)) for n in names}
+    bottoms = [0.0] * len(names)
+    for i, label in enumerate(labels):
+        heights = [splits[n].get(label, 0.0) for n in names]
+        if any(heights):
+            axis.bar(names, heights, bottom=bottoms, label=label, color=f"C{i}")
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    whole = [sum(ms for part, ms in splits[n].items() if part not in labels) for n in names]
+    if any(whole):  # configurations without spans: their TTFT is one part
+        axis.bar(names, whole, bottom=bottoms, label="(no spans)", color="0.6")
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _cdf_lines(axis: Any, cells: list[Cell]) -> None:
+    """Each configuration's TTFTs as a cumulative distribution."""
+    for config in _configs(cells):
+        ttfts = next(c for c in cells if c.config == config).ttfts_ms
+        if ttfts:
+            # From 0 at the fastest request: each request is a rise of 1/n.
+            shares = [i / len(ttfts) for i in range(len(ttfts) + 1)]
+            axis.step([ttfts[0], *ttfts], shares, where="post", label=config,
+                      color=f"C{CONFIGS.index(config)}")  # fmt: skip
+    axis.set_ylim(0, 1.02)
+    axis.set_xlabel("TTFT (ms)")
+    axis.set_xscale("log")
+    axis.legend()
+
+
+def _save(plt: Any, figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, bbox_inches="tight")  # legends beside the panels too
+    plt.close(figure)
+    return path
 
 
 def main(settings: Settings, out: Path, as_json: bool) -> int:

@@ -25,12 +25,14 @@ def _bench(out, *args: str) -> list[dict]:
 def _sane(cell: dict) -> None:
     assert cell["failures"] == 0 and cell["mismatches"] == 0, cell
     assert cell["requests"] == 4
-    for metric in ("ttft", "tpot", "itl"):
+    for metric in ("ttft", "t2t", "tpot", "itl"):
         p50, p90, p99 = (cell[f"{metric}_p{q}_ms"] for q in (50, 90, 99))
         # Tokens that reach the client in one read share a time: TPOT may be 0.
         low = 0 if metric == "ttft" else -1e-9
         assert low < p50 <= p90 <= p99, (metric, cell)
     assert cell["goodput_rps"] >= 0
+    # Every request's second token comes after its first.
+    assert cell["t2t_p50_ms"] >= cell["ttft_p50_ms"] and len(cell["ttfts_ms"]) == 4
 
 
 def test_bench_serve_attached_to_running_servers(cluster, router, tmp_path):
@@ -50,6 +52,12 @@ def test_bench_serve_attached_to_running_servers(cluster, router, tmp_path):
     assert [json.loads(line) for line in lines] == cells
     assert (tmp_path / "ttft-colocated.png").stat().st_size > 1000
     assert (tmp_path / "tpot-colocated.png").stat().st_size > 1000
+    assert (tmp_path / "where-colocated.png").stat().st_size > 1000
+    assert (tmp_path / "ttft-cdf-colocated.png").stat().st_size > 1000
+    # Where push's time went, from its instances' spans; plain has none.
+    by_config = {c["config"]: c for c in cells if c["prompt_len"] == 200}
+    assert {"prefill", "decode"} <= set(by_config["push"]["spans"])
+    assert "prefill.compute" in by_config["push"]["spans"]["prefill"]
 
 
 def test_bench_serve_starts_servers_pins_them_and_counts_their_cpu(tmp_path):
