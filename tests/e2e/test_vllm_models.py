@@ -1,5 +1,6 @@
 """The model shapes users deploy, each a tiny random-weight model built on the spot:
-MoE (Qwen3-MoE), MLA (DeepSeek-V3), and an FP8 KV cache. For each, a plain
+MoE (Qwen3-MoE), MLA (DeepSeek-V3), sliding-window attention (Gemma 3, with vLLM's
+hybrid KV cache manager off) and an FP8 KV cache. For each, a plain
 instance, a kvpush prefill and a kvpush decode behind `kvpush router`: answers equal
 the plain instance's, every prompt token's KV arrives by transfer, nothing is held."""
 
@@ -24,8 +25,12 @@ NATIVE_ROPE = ("--compilation-config", json.dumps({"custom_ops": ["-rotary_embed
 MODELS = {  # name: (architecture, extra vLLM arguments for every server)
     "moe": ("qwen3_moe", ()),
     "mla": ("deepseek_v3", NATIVE_ROPE),
+    # Without SupportsHMA, vLLM keeps full KV on the sliding layers too, and says so.
+    "sliding": ("gemma3_text", ()),
     "fp8-kv": ("llama", ("--kv-cache-dtype", "fp8")),
 }
+# What a P/D instance's log must say, per model: the trade-offs users should see.
+LOG_SAYS = {"sliding": "Turning off hybrid kv cache manager"}
 EXTERNAL = 'source="external_kv_transfer"'
 
 
@@ -77,6 +82,8 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
     for server in ("prefill", "decode"):
         state = client.wait_drained(cluster.identity_url(f"{name}_{server}"))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (server, state)
+        log = cluster.servers[f"{name}_{server}"].log_path.read_text(errors="replace")
+        assert LOG_SAYS.get(name, "") in log, (server, LOG_SAYS[name])
 
 
 def test_a_hybrid_linear_attention_model_is_refused_at_start_naming_why(cluster):
