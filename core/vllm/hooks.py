@@ -1,10 +1,11 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it seven times, each a Hook below: what it
+objects around them. kvpush reaches past it eight times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
+KVPUSH_VLLM_HOOKS_OFF (comma-separated names) turns risky hooks off on purpose.
 
 Each process records what attached. A hook that did not is a WARNING naming its
 cost, once; the scheduler logs one INFO line of what did. `/kvpush/state?detail=1`
@@ -27,6 +28,15 @@ in those acknowledgements before each send (step_notify), and parking also short
 vLLM's recheck interval (SHM_READER_RECHECK_INTERVAL_MS) to PARKED_RECHECK_MS as a
 safety net; the first step that is not parked puts vLLM's back.
 
+Early landing (why it exists): vLLM learns that a request's KV landed only from a
+step's output (a worker's finished_recving), and resumes the request in the
+schedule after that. When decode waits for KV, the landing that ends the wait thus
+costs an empty step of every worker and another trip round the engine loop before
+the request computes. The workers' doorbell already says which transfer landed, so
+the scheduler, just before vLLM's schedule(), marks such a request received the way
+vLLM's own handling of finished_recving does, and leaves the workers' report of it,
+one step later, out of the output vLLM reads (it would be a second report).
+
 Reader spin (why it exists): that second of spinning follows every read, not only
 the waits kvpush parks through. A decode that answers a request a second, in steps
 tens of milliseconds long, spins a core in each worker between requests, and the
@@ -38,6 +48,7 @@ gap between two steps of a busy engine, so under load they still never sleep).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sys
 import threading
@@ -46,6 +57,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from kvpush.errors import ConfigError
 from kvpush.vllm import CONNECTOR_MODULE, CONNECTOR_NAME
 
 log = logging.getLogger(__name__)
@@ -57,6 +69,7 @@ log = logging.getLogger(__name__)
 # 50 ms), against the core a spinning one burns.
 PARKED_RECHECK_MS = 10
 _RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
+OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
 
 
 @dataclass(frozen=True)
@@ -97,12 +110,21 @@ HOOKS = {
         ),
         Hook(
             "idle_wait",
-            "vLLM's engine loop, held in build_connector_meta while only transfers can "
-            "change anything",
+            "vLLM's engine loop, held while only transfers can change anything: at the "
+            "start of the next schedule (early_landing), else in build_connector_meta",
             ("0.32", "0.33"),
             True,
             "an engine whose requests all wait for transfers runs about a thousand "
             "empty steps a second",
+        ),
+        Hook(
+            "early_landing",
+            "vLLM's Scheduler: schedule (wrapped on the instance), "
+            "finished_recving_kv_req_ids and _set_kv_fetch_stage",
+            ("0.32", "0.33"),
+            True,
+            "a request whose KV landed waits for an empty step of the workers to "
+            "report it and for the schedule after (the spans' report and resume parts)",
         ),
         Hook(
             "step_notify",
@@ -144,6 +166,16 @@ def vllm_version() -> str:
         return "unknown"
 
 
+def turned_off() -> set[str]:
+    """The hooks an operator turned off (OFF_ENV, comma-separated): an escape hatch
+    where a hook misbehaves on a vLLM, and the A/B of what one is worth."""
+    names = {name.strip() for name in os.environ.get(OFF_ENV, "").split(",") if name.strip()}
+    unknown = sorted(names - set(HOOKS))
+    if unknown:
+        raise ConfigError(f"{OFF_ENV} names no such vLLM hook: {unknown}; known: {sorted(HOOKS)}")
+    return names
+
+
 def verified(hook: Hook, version: str | None = None) -> bool:
     return (version or vllm_version()).startswith(hook.verified)
 
@@ -170,6 +202,9 @@ class Record:
     def allowed(self, name: str) -> bool:
         """Whether a risky hook may try to attach on this vLLM (else recorded off)."""
         hook = HOOKS[name]
+        if name in turned_off():
+            self.missed(name, f"turned off by {OFF_ENV}")
+            return False
         if hook.risky and not verified(hook):
             self.missed(name, f"vLLM {vllm_version()} is not among {', '.join(hook.verified)}")
             return False
@@ -274,6 +309,67 @@ def idle_wait_allowed(idle_wait_s: float) -> float:
         return 0.0
     RECORD.attached("idle_wait")
     return idle_wait_s
+
+
+# -- early_landing (scheduler process, while vLLM builds its scheduler) -----------------
+
+
+class Landings:
+    """vLLM's scheduler, to be told of landings before it schedules."""
+
+    def __init__(self, scheduler: Any | None) -> None:
+        self._scheduler = scheduler
+
+    @classmethod
+    def attach(cls, before_schedule: Callable[[], None]) -> Landings:
+        """Find the vLLM Scheduler on the stack (it calls the connector from its
+        schedule()) and have it call `before_schedule` first in every schedule()."""
+        if not RECORD.allowed("early_landing"):
+            return cls(None)
+        owner = find_caller(_schedules_remote_kv)
+        if owner is None:
+            RECORD.missed("early_landing", "no vLLM Scheduler on the stack")
+            return cls(None)
+        schedule = owner.schedule
+
+        def before_then_schedule(*args: Any, **kwargs: Any) -> Any:
+            before_schedule()
+            return schedule(*args, **kwargs)
+
+        owner.schedule = before_then_schedule  # the instance's: other schedulers keep theirs
+        RECORD.attached("early_landing")
+        return cls(owner)
+
+    @property
+    def available(self) -> bool:
+        return self._scheduler is not None
+
+    def received(self, request_id: str) -> bool:
+        """Mark a request that waits for its KV as received, as vLLM does for a
+        worker's finished_recving; whether it was (False: not waiting, or known)."""
+        from vllm.v1.metrics.stats import KV_FETCH_COMPLETED_WAITING
+        from vllm.v1.request import RequestStatus
+
+        scheduler = self._scheduler
+        if scheduler is None:
+            return False
+        request = scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        if request_id in scheduler.finished_recving_kv_req_ids:
+            return False  # a step's output told vLLM first
+        scheduler.finished_recving_kv_req_ids.add(request_id)
+        scheduler._set_kv_fetch_stage(request, KV_FETCH_COMPLETED_WAITING)
+        return True
+
+
+def _schedules_remote_kv(owner: Any) -> bool:
+    return (
+        isinstance(getattr(owner, "finished_recving_kv_req_ids", None), set)
+        and callable(getattr(owner, "schedule", None))
+        and callable(getattr(owner, "_set_kv_fetch_stage", None))
+        and isinstance(getattr(owner, "requests", None), dict)
+    )
 
 
 # -- park_workers (worker processes) ----------------------------------------------------
@@ -448,6 +544,13 @@ def _static_problem(name: str) -> str:
 
             source = _source(getattr(shm_broadcast, "SpinCondition", None))
             return "" if "def notify" in source and "local_notify_socket" in source else "no notify"
+        if name == "early_landing":
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            source = _source(Scheduler)
+            wanted = ("finished_recving_kv_req_ids", "def _set_kv_fetch_stage", "def schedule")
+            missing = [w for w in wanted if w not in source]
+            return f"Scheduler lacks {missing}" if missing else ""
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 
