@@ -1,7 +1,7 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it eight times, each a Hook below: what it
+objects around them. kvpush reaches past it seven times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
@@ -27,15 +27,6 @@ through such bursts; a parked one does not. So the engine process has the socket
 in those acknowledgements before each send (step_notify), and parking also shortens
 vLLM's recheck interval (SHM_READER_RECHECK_INTERVAL_MS) to PARKED_RECHECK_MS as a
 safety net; the first step that is not parked puts vLLM's back.
-
-Early landing (why it exists): vLLM learns that a request's KV landed only from a
-step's output (a worker's finished_recving), and resumes the request in the
-schedule after that. When decode waits for KV, the landing that ends the wait thus
-costs an empty step of every worker and another trip round the engine loop before
-the request computes. The workers' doorbell already says which transfer landed, so
-the scheduler, just before vLLM's schedule(), marks such a request received the way
-vLLM's own handling of finished_recving does, and leaves the workers' report of it,
-one step later, out of the output vLLM reads (it would be a second report).
 
 Reader spin (why it exists): that second of spinning follows every read, not only
 the waits kvpush parks through. A decode that answers a request a second, in steps
@@ -110,21 +101,12 @@ HOOKS = {
         ),
         Hook(
             "idle_wait",
-            "vLLM's engine loop, held while only transfers can change anything: at the "
-            "start of the next schedule (early_landing), else in build_connector_meta",
+            "vLLM's engine loop, held in build_connector_meta while only transfers can "
+            "change anything",
             ("0.32", "0.33"),
             True,
             "an engine whose requests all wait for transfers runs about a thousand "
             "empty steps a second",
-        ),
-        Hook(
-            "early_landing",
-            "vLLM's Scheduler: schedule (wrapped on the instance), "
-            "finished_recving_kv_req_ids and _set_kv_fetch_stage",
-            ("0.32", "0.33"),
-            True,
-            "a request whose KV landed waits for an empty step of the workers to "
-            "report it and for the schedule after (the spans' report and resume parts)",
         ),
         Hook(
             "step_notify",
@@ -311,67 +293,6 @@ def idle_wait_allowed(idle_wait_s: float) -> float:
     return idle_wait_s
 
 
-# -- early_landing (scheduler process, while vLLM builds its scheduler) -----------------
-
-
-class Landings:
-    """vLLM's scheduler, to be told of landings before it schedules."""
-
-    def __init__(self, scheduler: Any | None) -> None:
-        self._scheduler = scheduler
-
-    @classmethod
-    def attach(cls, before_schedule: Callable[[], None]) -> Landings:
-        """Find the vLLM Scheduler on the stack (it calls the connector from its
-        schedule()) and have it call `before_schedule` first in every schedule()."""
-        if not RECORD.allowed("early_landing"):
-            return cls(None)
-        owner = find_caller(_schedules_remote_kv)
-        if owner is None:
-            RECORD.missed("early_landing", "no vLLM Scheduler on the stack")
-            return cls(None)
-        schedule = owner.schedule
-
-        def before_then_schedule(*args: Any, **kwargs: Any) -> Any:
-            before_schedule()
-            return schedule(*args, **kwargs)
-
-        owner.schedule = before_then_schedule  # the instance's: other schedulers keep theirs
-        RECORD.attached("early_landing")
-        return cls(owner)
-
-    @property
-    def available(self) -> bool:
-        return self._scheduler is not None
-
-    def received(self, request_id: str) -> bool:
-        """Mark a request that waits for its KV as received, as vLLM does for a
-        worker's finished_recving; whether it was (False: not waiting, or known)."""
-        from vllm.v1.metrics.stats import KV_FETCH_COMPLETED_WAITING
-        from vllm.v1.request import RequestStatus
-
-        scheduler = self._scheduler
-        if scheduler is None:
-            return False
-        request = scheduler.requests.get(request_id)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        if request_id in scheduler.finished_recving_kv_req_ids:
-            return False  # a step's output told vLLM first
-        scheduler.finished_recving_kv_req_ids.add(request_id)
-        scheduler._set_kv_fetch_stage(request, KV_FETCH_COMPLETED_WAITING)
-        return True
-
-
-def _schedules_remote_kv(owner: Any) -> bool:
-    return (
-        isinstance(getattr(owner, "finished_recving_kv_req_ids", None), set)
-        and callable(getattr(owner, "schedule", None))
-        and callable(getattr(owner, "_set_kv_fetch_stage", None))
-        and isinstance(getattr(owner, "requests", None), dict)
-    )
-
-
 # -- park_workers (worker processes) ----------------------------------------------------
 
 
@@ -544,13 +465,6 @@ def _static_problem(name: str) -> str:
 
             source = _source(getattr(shm_broadcast, "SpinCondition", None))
             return "" if "def notify" in source and "local_notify_socket" in source else "no notify"
-        if name == "early_landing":
-            from vllm.v1.core.sched.scheduler import Scheduler
-
-            source = _source(Scheduler)
-            wanted = ("finished_recving_kv_req_ids", "def _set_kv_fetch_stage", "def schedule")
-            missing = [w for w in wanted if w not in source]
-            return f"Scheduler lacks {missing}" if missing else ""
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 

@@ -51,7 +51,7 @@ from kvpush.vllm.metadata import (
 )
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
-from kvpush.vllm.wake import Doorbell, Landing
+from kvpush.vllm.wake import Doorbell
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +150,6 @@ class SchedulerSide:
         self.spans = Spans()
         self._quiet_before = False  # the last step was empty and told the workers nothing
         self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
-        # The early_landing hook: vLLM's scheduler, told of landings the doorbell rang
-        # before it schedules. Off until attach_landings() finds vLLM's scheduler.
-        self._landings = hooks.Landings(None)
-        self._landings_sought = False  # vLLM's scheduler is complete only once it schedules
-        self._wait_before_schedule = False  # the idle wait, moved to the next schedule
-        self._rang: dict[str, dict[int, float]] = {}  # decode request -> rank -> landed at
-        self._resumed_early: set[str] = set()  # marked received; the workers' report to drop
-        self.early_landings = 0  # requests resumed from the doorbell's news (tests, state)
 
     # -- identity -------------------------------------------------------------------
 
@@ -234,53 +226,7 @@ class SchedulerSide:
             **self.state(),
             "by_state": dict(sorted(by_state.items())),
             "hooks": hooks_by_process,
-            "early_landings": self.early_landings,
         }
-
-    # -- landings (the early_landing hook) ------------------------------------------------
-
-    def attach_landings(self) -> bool:
-        """From inside vLLM's schedule() (the first build_connector_meta): have vLLM's
-        scheduler call before_schedule() first from its next schedule on. Not while
-        it builds us: the state the hook reaches does not exist yet then."""
-        self._landings_sought = True
-        self._landings = hooks.Landings.attach(self.before_schedule)
-        if self._landings.available:
-            log.info("kvpush: vLLM hook early_landing attached (at the first schedule)")
-        return self._landings.available
-
-    def before_schedule(self) -> None:
-        """vLLM is about to schedule. Wait here if the last steps had nothing to do but
-        wait (the wait build_connector_meta would otherwise hold), then mark received
-        every request whose KV the doorbell says landed on every rank: this schedule
-        can run it, with no step of the workers in between to report it."""
-        if self._wait_before_schedule:
-            self._wait_before_schedule = False
-            self.idle_waits += 1
-            landings = self.doorbell.wait(self.idle_wait_s)
-        else:
-            landings = self.doorbell.take()
-        if landings:
-            self._resume_landed(landings)
-
-    def _resume_landed(self, landings: list[Landing]) -> None:
-        waiting = {tid: request_id for request_id, tid in self._consuming.items()}
-        for landing in landings:
-            request_id = waiting.get(landing.transfer_id)
-            if request_id is None:
-                continue  # a step reported it already, or it was aborted
-            ranks = self._rang.setdefault(request_id, {})
-            ranks[landing.rank] = landing.wall
-            if landing.ready_wall:
-                self.spans.mark(request_id, "kv_ready", landing.ready_wall)
-            if len(ranks) < self.world or not self._landings.received(request_id):
-                continue
-            del self._rang[request_id], self._consuming[request_id]
-            self._learnt_from.pop(request_id, None)
-            self._resumed_early.add(request_id)
-            self.early_landings += 1
-            self.spans.mark(request_id, "landed", max(ranks.values()))
-            self.spans.mark(request_id, "reported")
 
     def close(self) -> None:
         for server in (self.identity_server, self.bootstrap_server):
@@ -361,8 +307,6 @@ class SchedulerSide:
         )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
-        if not self._landings_sought:
-            self.attach_landings()
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._preempted(request_id)
         self._track_prefill_blocks(scheduler_output)
@@ -393,11 +337,8 @@ class SchedulerSide:
         # while the previous batch still computes, and its outcome must not wait on us.
         quiet = meta.park and not scheduler_output.finished_req_ids
         if quiet and self._quiet_before and self.idle_wait_s:
-            if self._landings.available:
-                self._wait_before_schedule = True  # where a landing can still count
-            else:
-                self.idle_waits += 1
-                self.doorbell.wait(self.idle_wait_s)
+            self.idle_waits += 1
+            self.doorbell.wait(self.idle_wait_s)
         self._quiet_before = quiet
         return meta
 
@@ -421,7 +362,6 @@ class SchedulerSide:
         self.spans.mark(request_id, "finished")
         self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
         self._followers.pop(request_id, None)
-        self._rang.pop(request_id, None)
         tid = self._consuming.pop(request_id, None)
         if tid is not None:
             # Finished before its KV arrived (aborted): the worker settles the transfer
@@ -437,13 +377,6 @@ class SchedulerSide:
         return False, None
 
     def update_connector_output(self, output: Any) -> None:
-        if self._resumed_early and output.finished_recving:
-            # vLLM resumed these already: a second report of them would trip it.
-            told = self._resumed_early & set(output.finished_recving)
-            self._resumed_early -= told
-            output.finished_recving = set(output.finished_recving) - told
-        if output.finished_recving or output.finished_sending:
-            self._wait_before_schedule = False  # the step brought news: act on it now
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
         for request_id, why in (getattr(worker_meta, "failed", None) or {}).items():
             self.spans.fail(request_id, why)
@@ -458,7 +391,6 @@ class SchedulerSide:
         failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
             self.spans.mark(request_id, "reported")
-            self._rang.pop(request_id, None)
             transfer = self._consuming.pop(request_id, None)
             learnt_from = self._learnt_from.pop(request_id, None)
             if request_id not in failed:

@@ -33,10 +33,9 @@ MILESTONES = {
 }
 # Moments noted beside the milestones, in no phase. Decode: kv_ready, when prefill's
 # last prompt step ended (landed - kv_ready is the hand-off's residual); reported,
-# when the scheduler heard of the landing, from the doorbell just before a schedule
-# (the early_landing hook) or else from a step's output (landed -> reported ->
-# scheduled splits to_step into how the news came and the wait for the schedule that
-# runs it). Prefill:
+# when the scheduler heard of the landing from a step's output (landed -> reported
+# -> scheduled splits to_step into the step that carried the news and the wait for
+# the next schedule). Prefill:
 # last_step, when the step computing the last prompt token was scheduled; chunk_sent,
 # when the first WRITE of an earlier chunk's KV ended (progressive push).
 EVENTS = {"decode": ("kv_ready", "reported"), "prefill": ("last_step", "chunk_sent")}

@@ -14,48 +14,13 @@ them prompt.
 
 A loopback datagram per outcome: workers on the scheduler's host reach it; a
 worker on another host (multi-node TP) cannot, and the bound alone applies there.
-A landing's datagram says which transfer landed on which rank, so that the
-scheduler can resume the request before its next schedule rather than after a step
-of the workers reports it (the early_landing hook in kvpush.vllm.hooks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import select
 import socket
-from dataclasses import dataclass
-
-_RING = b"!"
-_LANDED = b"L"
-_MOST = 4096  # bytes a datagram may carry: a landing's fit many times over
-
-
-@dataclass(frozen=True)
-class Landing:
-    """One rank's share of a transfer landed (decode), as its worker rang it."""
-
-    transfer_id: str
-    rank: int
-    wall: float  # when it landed (time.time, the worker's)
-    ready_wall: float  # when prefill's last prompt step ended (0: not known)
-
-    def encode(self) -> bytes:
-        fields = [self.transfer_id, self.rank, self.wall, self.ready_wall]
-        return _LANDED + json.dumps(fields).encode()
-
-    @classmethod
-    def decode(cls, datagram: bytes) -> Landing | None:
-        """The landing a datagram tells of; None for a plain ring, or a datagram that
-        is not a landing (anything on loopback may send to the port)."""
-        if not datagram.startswith(_LANDED):
-            return None
-        try:
-            tid, rank, wall, ready = json.loads(datagram[len(_LANDED) :])
-            return cls(str(tid), int(rank), float(wall), float(ready))
-        except (ValueError, TypeError):
-            return None
 
 
 class Doorbell:
@@ -68,27 +33,22 @@ class Doorbell:
         self.port: int = self._sock.getsockname()[1]
         self._inbox_ringer: Ringer | None = None
 
-    def wait(self, timeout: float) -> list[Landing]:
-        """Block until rung or `timeout` seconds passed; either way, take the rings so
-        far, and return the landings they told of. A ring that came before the call
-        returns at once."""
-        select.select([self._sock], [], [], timeout)
-        return self.take()
-
-    def take(self) -> list[Landing]:
-        """The rings so far, without waiting: the landings they told of."""
-        landings = []
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            while True:
-                landing = Landing.decode(self._sock.recv(_MOST))
-                if landing is not None:
-                    landings.append(landing)
-        return landings
+    def wait(self, timeout: float) -> bool:
+        """Block until rung (True) or `timeout` seconds passed (False); either way,
+        forget the rings so far. A ring that came before the call returns at once."""
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        self._drain()
+        return bool(ready)
 
     def inbox_ringer(self) -> Ringer:
         """A ringer for the engine's request queue, closed with the doorbell."""
         self._inbox_ringer = Ringer(self.port)
         return self._inbox_ringer
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                self._sock.recv(64)
 
     def close(self) -> None:
         self._sock.close()
@@ -105,11 +65,10 @@ class Ringer:
         self._sock.setblocking(False)
         self.port = port  # 0 until known: a worker learns it from the step metadata
 
-    def ring(self, landing: Landing | None = None) -> None:
+    def ring(self) -> None:
         if self.port:
-            datagram = landing.encode() if landing is not None else _RING
             with contextlib.suppress(OSError):  # full buffer: it is ringing already
-                self._sock.sendto(datagram, ("127.0.0.1", self.port))
+                self._sock.sendto(b"!", ("127.0.0.1", self.port))
 
     def close(self) -> None:
         self._sock.close()

@@ -16,7 +16,7 @@ import msgspec
 
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
-from kvpush.node import Node, NodeConfig, Outcome, Source
+from kvpush.node import Node, NodeConfig, Source
 from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
@@ -28,7 +28,7 @@ from kvpush.vllm.metadata import (
     Progress,
 )
 from kvpush.vllm.stats import KVPushStats
-from kvpush.vllm.wake import Landing, Ringer
+from kvpush.vllm.wake import Ringer
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class WorkerSide:
             insecure=insecure(self.config),
             nixl_backends=self.config.nixl_backends,
         )
-        self.node = Node(node_config, kv, self.backends, on_outcome=self._ring).start()
+        self.node = Node(node_config, kv, self.backends, on_outcome=self._ringer.ring).start()
         self._layer_index = {name: i for i, name in enumerate(kv.layout.layer_names)}
         where = self.node.address if self.role != "consumer" else "(dials out)"
         log.info(
@@ -176,14 +176,6 @@ class WorkerSide:
             kv.layout.num_blocks, kv.layout.tokens_per_block, num_blocks or "?",
             block_size or "?", where,
         )  # fmt: skip
-
-    def _ring(self, outcome: Outcome) -> None:
-        """Wake the scheduler (the Node's thread calls this): a landing's ring says
-        which transfer landed here, so the scheduler can resume its request at once."""
-        if outcome.kind != "delivered":
-            self._ringer.ring()
-            return
-        self._ringer.ring(Landing(outcome.transfer_id, self.rank, outcome.wall, outcome.ready_wall))
 
     def handshake(self) -> KVPushHandshake | None:
         if self.node is None:

@@ -369,7 +369,6 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     prompts = [prompt(400, 700 + i) for i in range(32)]
     expected = [client.tokens(single, p) for p in prompts]
     delivered_before = client.metric(decode.url, "vllm:kvpush_delivered_total")
-    early_before = client.http.get(identity_url + "/kvpush/state?detail=1").json()["early_landings"]
     legs = []
     for i in range(len(prompts)):
         params = {
@@ -404,15 +403,10 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     assert delivered == len(prompts), "some requests were recomputed, not pushed"
     _both_drained(cluster, client)
     # What made the wait cheap: vLLM hooks (kvpush.vllm.hooks), each attached.
-    detail = client.http.get(identity_url + "/kvpush/state?detail=1").json()
-    hooks = detail["hooks"]
+    hooks = client.http.get(identity_url + "/kvpush/state?detail=1").json()["hooks"]
     for name in ("connector_registry", "engine_inbox", "idle_wait", "step_notify"):
         assert hooks["scheduler"].get(name) == "attached", hooks
     assert hooks["worker0"]["park_workers"] == "attached", hooks
-    # And what made the first landing count at once: the engine slept on the doorbell
-    # when it rang, so vLLM ran that request in the next schedule, from the ring.
-    assert hooks["scheduler"].get("early_landing") == "attached", hooks
-    assert detail["early_landings"] > early_before, detail
 
 
 def test_between_requests_neither_instance_spins(cluster, router, client):

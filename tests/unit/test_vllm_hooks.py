@@ -19,8 +19,8 @@ def record(monkeypatch):
 
 def test_every_hook_declares_versions_a_target_and_a_cost():
     assert set(hooks.HOOKS) == {
-        "connector_registry", "caller_kv_role", "engine_inbox", "idle_wait", "early_landing",
-        "step_notify", "park_workers", "reader_spin",
+        "connector_registry", "caller_kv_role", "engine_inbox", "idle_wait", "step_notify",
+        "park_workers", "reader_spin",
     }  # fmt: skip
     for hook in hooks.HOOKS.values():
         assert hook.verified and hook.reaches and hook.cost, hook
@@ -36,10 +36,8 @@ def test_on_an_unverified_vllm_the_risky_hooks_stay_off_and_say_what_it_costs(
         assert not hooks.Parking.find().available
         assert hooks.prepare_step_notify() is False
         assert hooks.bound_reader_spin(0.002, executor_side=False) is False
-        assert not hooks.Landings.attach(lambda: None).available
     states = record.snapshot()
-    for name in ("idle_wait", "engine_inbox", "step_notify", "park_workers", "reader_spin",
-                 "early_landing"):  # fmt: skip
+    for name in ("idle_wait", "engine_inbox", "step_notify", "park_workers", "reader_spin"):
         assert states[name] == "off: vLLM 0.40.1 is not among 0.32, 0.33", states
         assert hooks.HOOKS[name].cost in caplog.text
     record.missed("idle_wait", "again")  # one warning per hook, not one per call
@@ -63,15 +61,15 @@ def test_doctor_finds_every_target_in_the_installed_vllm():
 def test_an_operator_turns_a_hook_off_by_name_and_a_misspelt_name_is_an_error(
     record, monkeypatch, caplog
 ):
-    monkeypatch.setenv(hooks.OFF_ENV, " early_landing, idle_wait ")
+    monkeypatch.setenv(hooks.OFF_ENV, " park_workers, idle_wait ")
     with caplog.at_level(logging.WARNING, logger="kvpush"):
         assert hooks.idle_wait_allowed(0.1) == 0.0
-        assert not hooks.Landings.attach(lambda: None).available
+        assert not hooks.Parking.find().available
     assert record.snapshot() == {
         "idle_wait": f"off: turned off by {hooks.OFF_ENV}",
-        "early_landing": f"off: turned off by {hooks.OFF_ENV}",
+        "park_workers": f"off: turned off by {hooks.OFF_ENV}",
     }
-    assert hooks.HOOKS["early_landing"].cost in caplog.text
-    monkeypatch.setenv(hooks.OFF_ENV, "early_landings")
-    with pytest.raises(ConfigError, match=r"no such vLLM hook: \['early_landings'\]"):
+    assert hooks.HOOKS["park_workers"].cost in caplog.text
+    monkeypatch.setenv(hooks.OFF_ENV, "park_worker")
+    with pytest.raises(ConfigError, match=r"no such vLLM hook: \['park_worker'\]"):
         hooks.idle_wait_allowed(0.1)

