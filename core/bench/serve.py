@@ -123,7 +123,6 @@ class Cell:
     t2t_p50_ms: float | None = None
     t2t_p90_ms: float | None = None
     t2t_p99_ms: float | None = None
-    ttft_mean_ms: float | None = None
     ttfts_ms: list[float] = field(default_factory=list)  # every answered request's, sorted
 
 
@@ -281,7 +280,6 @@ def summarize(
         round(good / seconds, 3) if seconds else 0.0, round(seconds, 2), idle, busy,
         [o.error[:300] for o in outcomes if not o.ok][:3],
         t2t_p50_ms=t2t_p50, t2t_p90_ms=t2t_p90, t2t_p99_ms=t2t_p99,
-        ttft_mean_ms=_ms(sum(ttfts) / len(ttfts)) if ttfts else None,
         ttfts_ms=sorted(round(t * 1e3, 1) for t in ttfts),
     )  # fmt: skip
 
@@ -304,15 +302,16 @@ def where_time_goes(cell: Cell) -> dict[str, float]:
     """The cell's mean TTFT (ms) split into the spans' means and the rest, in order.
     Means, not percentiles, so the parts add up; a configuration without kvpush's
     spans (plain, upstream) is one part. Empty when nothing was answered."""
-    if cell.ttft_mean_ms is None:
+    if not cell.ttfts_ms:
         return {}
+    mean = sum(cell.ttfts_ms) / len(cell.ttfts_ms)
     spans = {key: phase for summary in cell.spans.values() for key, phase in summary.items()}
     parts = {label: spans[key]["mean_ms"] for label, key in TIME_GOES if key in spans}
     if not parts:
-        return {cell.config: cell.ttft_mean_ms}
+        return {cell.config: round(mean, 2)}
     # Span means cover requests that reached every milestone; the client's covers all
     # it got an answer for. On a machine this noisy they can disagree by a little.
-    parts[REST] = max(0.0, cell.ttft_mean_ms - sum(parts.values()))
+    parts[REST] = max(0.0, mean - sum(parts.values()))
     return {label: round(ms, 2) for label, ms in parts.items()}
 
 

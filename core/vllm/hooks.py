@@ -152,9 +152,13 @@ def turned_off() -> set[str]:
     """The hooks an operator turned off (OFF_ENV, comma-separated): an escape hatch
     where a hook misbehaves on a vLLM, and the A/B of what one is worth."""
     names = {name.strip() for name in os.environ.get(OFF_ENV, "").split(",") if name.strip()}
-    unknown = sorted(names - set(HOOKS))
+    # Only the hooks that change vLLM's state can be kept off; the others only read.
+    risky = sorted(name for name, hook in HOOKS.items() if hook.risky)
+    unknown = sorted(names - set(risky))
     if unknown:
-        raise ConfigError(f"{OFF_ENV} names no such vLLM hook: {unknown}; known: {sorted(HOOKS)}")
+        raise ConfigError(
+            f"{OFF_ENV} names no vLLM hook that can be turned off: {unknown}; those are {risky}"
+        )
     return names
 
 
