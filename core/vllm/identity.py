@@ -1,4 +1,4 @@
-"""The identity endpoint a kvpush instance serves for routers.
+"""This instance's kvpush identity, and the endpoint that serves it to routers.
 
 GET /query answers this instance's kvpush identity (engine id, boot epoch, transfer
 mode, one side-channel address per TP rank), shaped like the Mooncake bootstrap
@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvpush.identities import dp_siblings, mooncake_query
+from kvpush.vllm.config import ConnectorConfig, rank_port
+from kvpush.vllm.metadata import KVPushHandshake
+
 log = logging.getLogger(__name__)
+
+EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
+Route = Callable[[dict[str, str]], Any]
 
 
 class IdentityServer:
@@ -27,7 +35,7 @@ class IdentityServer:
         self,
         host: str,
         port: int,
-        routes: dict[str, Callable[[dict[str, str]], Any]],
+        routes: Mapping[str, Route],
     ) -> None:
 
         class Handler(BaseHTTPRequestHandler):
@@ -65,3 +73,82 @@ class IdentityServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class InstanceIdentity:
+    """This instance as routers see it (GET /query, and the prefill answer's echo),
+    and the HTTP servers that answer for it: its own identity endpoint, and on DP
+    rank 0 a Mooncake-shaped bootstrap server speaking for every DP rank."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        block_size: int,
+        world: int,
+        dp_rank: int = 0,
+        data_parallel: bool = False,
+        block_pages: bool = True,
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.world = world
+        self.dp_rank, self.data_parallel = dp_rank, data_parallel
+        # Whether a peer of another block size may take our blocks as pages of its own.
+        self.block_pages = block_pages
+        self.epoch = os.urandom(4).hex()
+        self._ranks: dict[int, KVPushHandshake] = {}
+        self.identity_server: IdentityServer | None = None
+        self.bootstrap_server: IdentityServer | None = None
+
+    def serve(self, handshakes: dict[int, KVPushHandshake], routes: Mapping[str, Route]) -> None:
+        """Learn every worker rank's identity, and start answering: /query and `routes`."""
+        self._ranks = dict(handshakes)
+        if handshakes and all(h.epoch for h in handshakes.values()):
+            # This boot, as decode legs will name it: every rank's own, so a decode
+            # worker can check the one it pairs with.
+            self.epoch = EPOCH_SEPARATOR.join(handshakes[r].epoch for r in sorted(handshakes))
+        if self.identity_server is None:
+            port = rank_port(self.config.identity_port, self.dp_rank)
+            self.identity_server = IdentityServer(
+                self.config.host, port, {"/query": lambda _: self.identity(), **routes}
+            )
+        if self.config.bootstrap_port and self.dp_rank == 0 and self.bootstrap_server is None:
+            query = {"/query": lambda _: mooncake_query(self._dp_identities())}
+            self.bootstrap_server = IdentityServer(
+                self.config.host, self.config.bootstrap_port, query
+            )
+
+    def identity(self) -> dict[str, Any]:
+        port = self.identity_server.port if self.identity_server is not None else 0
+        return {
+            "engine_id": self.engine_id,
+            "endpoint": f"{self.config.host}:{port}",
+            "epoch": self.epoch,
+            "transfer_mode": self.config.protocol.mode,
+            "tp_size": self.world,
+            "block_size": self.block_size,
+            "block_pages": self.block_pages,
+            "dp_rank": self.dp_rank,
+            "data_parallel": self.data_parallel,
+            "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
+            "ranks": [
+                {"rank": r, "address": h.address, "epoch": h.epoch, "agent": h.agent}
+                for r, h in sorted(self._ranks.items())
+            ],
+            "kvpush": True,
+        }
+
+    def _dp_identities(self) -> list[dict[str, Any]]:
+        """Every DP rank's identity: ours, then DP rank 1, 2, ... from their identity
+        endpoints until one does not answer (vLLM tells an engine its own DP rank, not
+        how many there are)."""
+        mine = self.identity()
+        url = f"http://{self.config.host}:{self.config.identity_port}"
+        return [mine, *dp_siblings(url, mine)]
+
+    def close(self) -> None:
+        for server in (self.identity_server, self.bootstrap_server):
+            if server is not None:
+                server.close()

@@ -23,35 +23,25 @@ transfer its prefill leg's instance named.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import urllib.parse
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any
 
+from kvpush.engine.ledger import Ledger
+from kvpush.engine.steps import Announce
 from kvpush.errors import ConfigError, ProtocolError
-from kvpush.identities import dp_siblings, mooncake_query
 from kvpush.kv_params import decode_params, prefill_echo
 from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError
-from kvpush.vllm.config import ConnectorConfig, producer_allowed, rank_port
-from kvpush.vllm.identity import IdentityServer
-from kvpush.vllm.metadata import (
-    Announce,
-    Expect,
-    KVPushHandshake,
-    KVPushMetadata,
-    KVPushWorkerMeta,
-    Pending,
-    Produce,
-    Progress,
-)
+from kvpush.vllm.config import ConnectorConfig, producer_allowed
+from kvpush.vllm.identity import EPOCH_SEPARATOR, InstanceIdentity
+from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
-from kvpush.vllm.wake import Doorbell
+from kvpush.vllm.wake import Doorbell, IdleSteps
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +49,17 @@ log = logging.getLogger(__name__)
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 # host:port, the host a name or an IPv4 address (or an IPv6 one in brackets).
 _HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):\d{1,5}")
-EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
-FAILED_LOADS_KEPT = 4096
-
-
-@dataclass
-class _Producing:
-    transfer_id: str  # this engine request's own (see kvpush.vllm.transfers)
-    base_id: str  # the router's, echoed to it
-    prompt_len: int
-    block_ids: list[int] = field(default_factory=list)
-    named_here: bool = False  # the prefill leg brought no transfer id: we named it
-    signalled: bool = False  # a step computing its last prompt token was scheduled
-    progressed: bool = False  # a step computing an earlier chunk was (progressive push)
-    spoiled: bool = False  # preempted after either: what a WRITE reads is not its KV
 
 
 class SchedulerSide:
-    """Scheduler-process bookkeeping for one vLLM instance."""
+    """vLLM's scheduler calls, as events for the request ledger (kvpush.engine.ledger).
+
+    It reads vLLM's objects and kv_transfer_params, names transfers, completes decode
+    legs that name their producer by an endpoint, and counts and traces what
+    happens; what each request's state is and what the workers are told, the ledger
+    decides. This instance's identity and its endpoints are InstanceIdentity's, and
+    whether an empty step waits, IdleSteps'.
+    """
 
     def __init__(
         self,
@@ -95,14 +78,8 @@ class SchedulerSide:
         block_pages: bool = True,
     ) -> None:
         self.config = config
-        self.engine_id = engine_id
-        self.block_size = block_size
-        # Whether a peer of another block size may take our blocks as pages of its own.
-        self.block_pages = block_pages
         self.world = world
-        self.prefix_caching = prefix_caching
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
-        self.recompute_on_failure = recompute_on_failure  # kv_load_failure_policy recompute
         # Since the last stats(), by reason: decode prompts computed here, and legs
         # whose other leg's params never came.
         self.counts: dict[str, Counter[str]] = {
@@ -110,108 +87,68 @@ class SchedulerSide:
         }  # fmt: skip
         # One of several DP ranks (vLLM runs each as an engine of its own): its ports
         # are offset by the rank, and DP rank 0 speaks for all in the bootstrap answer.
-        self.dp_rank, self.data_parallel = dp_rank, data_parallel
         if data_parallel and config.bootstrap_port and not config.identity_port:
             raise ConfigError(
                 "bootstrap_port with --data-parallel-size > 1 needs identity_port too: DP "
                 "rank 0's bootstrap server asks every other rank at identity_port + rank"
             )
+        self.me = InstanceIdentity(
+            config, engine_id, block_size, world, dp_rank, data_parallel, block_pages
+        )
+        self.ledger = Ledger(
+            block_size,
+            prefix_caching=prefix_caching,
+            recompute_on_failure=recompute_on_failure,
+            progressive=config.progressive,
+        )
         self.bootstrap = bootstrap or BootstrapResolver()
         self._said: set[str] = set()  # what was logged once already
-        self.epoch = os.urandom(4).hex()
         self._ids = EngineTransfers(model=model_name)
-        self._producing: dict[str, _Producing] = {}
-        self._admitted: set[str] = set()  # requests whose leg was looked at, once
-        self._sending: set[str] = set()  # delay-freed prefill requests
-        self._announced: dict[str, str] = {}  # decode request id -> transfer id, not allocated
-        self._consuming: dict[str, str] = {}  # decode request id -> transfer id, allocated
-        self._followers: dict[str, str] = {}  # decode request id -> its sibling 0's
-        # Decode requests whose KV load failed, kept past their end (a sibling may
-        # arrive after): the last few thousand.
-        self._failed_loads: OrderedDict[str, None] = OrderedDict()
         self._rank_states: dict[int, dict[str, int]] = {}  # worker rank -> its state counts
         self._rank_hooks: dict[int, dict[str, str]] = {}  # worker rank -> its vLLM hooks
-        self._local_hits: dict[str, int] = {}
-        self._learnt_from: dict[str, str] = {}  # decode request id -> bootstrap address
-        self._rejected: dict[str, str] = {}
-        self._next = KVPushMetadata()
-        self._ranks: dict[int, KVPushHandshake] = {}
-        self.identity_server: IdentityServer | None = None
-        self.bootstrap_server: IdentityServer | None = None
-        self.doorbell = Doorbell()
         # DP ranks that step in lockstep (vLLM's MoE data parallel) meet in a collective
         # every few steps: one rank sleeping through an empty step would hold up the
         # others' real ones, so such ranks step as vLLM does.
         if lockstep:
-            self.idle_wait_s = 0.0
+            self.idle = IdleSteps(0.0)
             hooks.RECORD.missed("idle_wait", "DP ranks step in lockstep here")
         else:
-            self.idle_wait_s = hooks.idle_wait_allowed(config.idle_wait_s)
+            self.idle = IdleSteps(hooks.idle_wait_allowed(config.idle_wait_s))
         self.spans = Spans()
-        self._quiet_before = False  # the last step was empty and told the workers nothing
-        self.idle_waits = 0  # steps that waited on the doorbell (tests, metrics)
+
+    @property
+    def epoch(self) -> str:
+        return self.me.epoch
+
+    @property
+    def doorbell(self) -> Doorbell:
+        return self.idle.doorbell
+
+    @property
+    def idle_waits(self) -> int:
+        return self.idle.waits
 
     # -- identity -------------------------------------------------------------------
 
     def set_handshakes(self, handshakes: dict[int, KVPushHandshake]) -> None:
-        self._ranks = dict(handshakes)
-        if handshakes and all(h.epoch for h in handshakes.values()):
-            # This boot, as decode legs will name it: every rank's own, so a decode
-            # worker can check the one it pairs with.
-            self.epoch = EPOCH_SEPARATOR.join(handshakes[r].epoch for r in sorted(handshakes))
-        if self.identity_server is None:
-            routes = {
-                "/query": lambda _: self.identity(),
+        self.me.serve(
+            handshakes,
+            {
                 "/kvpush/state": lambda q: (
                     self.state_detail() if q.get("detail") == "1" else self.state()
                 ),
                 "/kvpush/spans": lambda q: self.spans.summary(reset=q.get("reset") == "1"),
                 "/kvpush/trace": lambda q: self.spans.trace(int(q.get("last", 100))),
-            }
-            port = rank_port(self.config.identity_port, self.dp_rank)
-            self.identity_server = IdentityServer(self.config.host, port, routes)
-        if self.config.bootstrap_port and self.dp_rank == 0 and self.bootstrap_server is None:
-            query = {"/query": lambda _: mooncake_query(self._dp_identities())}
-            self.bootstrap_server = IdentityServer(
-                self.config.host, self.config.bootstrap_port, query
-            )
+            },
+        )
 
     def identity(self) -> dict[str, Any]:
         """This instance as routers see it: GET /query, and the prefill response echo."""
-        port = self.identity_server.port if self.identity_server is not None else 0
-        return {
-            "engine_id": self.engine_id,
-            "endpoint": f"{self.config.host}:{port}",
-            "epoch": self.epoch,
-            "transfer_mode": self.config.protocol.mode,
-            "tp_size": self.world,
-            "block_size": self.block_size,
-            "block_pages": self.block_pages,
-            "dp_rank": self.dp_rank,
-            "data_parallel": self.data_parallel,
-            "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
-            "ranks": [
-                {"rank": r, "address": h.address, "epoch": h.epoch, "agent": h.agent}
-                for r, h in sorted(self._ranks.items())
-            ],
-            "kvpush": True,
-        }
-
-    def _dp_identities(self) -> list[dict[str, Any]]:
-        """Every DP rank's identity: ours, then DP rank 1, 2, ... from their identity
-        endpoints until one does not answer (vLLM tells an engine its own DP rank, not
-        how many there are)."""
-        mine = self.identity()
-        url = f"http://{self.config.host}:{self.config.identity_port}"
-        return [mine, *dp_siblings(url, mine)]
+        return self.me.identity()
 
     def state(self) -> dict[str, Any]:
         """Counts a leak check reads after a run: all zero when nothing is in flight."""
-        return {
-            "sending": len(self._sending),
-            "producing": len(self._producing),
-            "receiving": len(self._consuming),
-        }
+        return self.ledger.counts()
 
     def state_detail(self) -> dict[str, Any]:
         """state(), and the workers' transfers per machine state (summed over ranks,
@@ -229,10 +166,8 @@ class SchedulerSide:
         }
 
     def close(self) -> None:
-        for server in (self.identity_server, self.bootstrap_server):
-            if server is not None:
-                server.close()
-        self.doorbell.close()
+        self.me.close()
+        self.idle.close()
 
     # -- vLLM scheduler hooks -------------------------------------------------------------
 
@@ -262,26 +197,11 @@ class SchedulerSide:
         if not params.get("do_remote_prefill"):
             return 0, False
         self._admit_decode(request, params)  # if vLLM did not call on_new_request
-        request_id = request.request_id
-        if request_id not in self._admitted:
-            return None, False  # its producer is still being learnt: ask again
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if request_id in self._rejected:
-            return max(count, 1), True  # reported failed at once, per kv_load_failure_policy
-        leader = self._followers.get(request_id)
-        if leader is not None:
-            if self.prefix_caching and self._loading(leader):
-                return None, False  # ask again once its sibling's KV is in the prefix cache
-            del self._followers[request_id]
+        prompt_len = len(request.prompt_token_ids or ())
+        match = self.ledger.matched(request.request_id, prompt_len, num_computed_tokens)
+        if match.local:
             params["do_remote_prefill"] = False
-            return 0, False
-        if count <= 0:
-            # Everything is cached here already: let prefill free its copy now.
-            self._next.aborts.append(self._announced.pop(request_id))
-            params["do_remote_prefill"] = False
-            return 0, False
-        self._local_hits[request_id] = num_computed_tokens
-        return count, True
+        return match.tokens, match.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
@@ -290,21 +210,8 @@ class SchedulerSide:
         # One transfer per request: a retry under "recompute" computes locally.
         params["do_remote_prefill"] = False
         request_id = request.request_id
-        if request_id in self._rejected:
-            self._next.rejects.append((request_id, self._rejected.pop(request_id)))
-            return
-        tid = self._announced.pop(request_id)
-        local = self._local_hits.pop(request_id, 0)
-        first = local // self.block_size
-        last = -(-(local + num_external_tokens) // self.block_size)
-        block_ids = blocks.get_block_ids()[0][first:last]
-        self._consuming[request_id] = tid
-        self.spans.mark(request_id, "allocated")
-        named = _announce(tid, params)
-        self._next.expects.append(
-            Expect(request_id, tid, named.producers, tuple(block_ids), first, named.engine,
-                   named.epochs)
-        )  # fmt: skip
+        if self.ledger.allocated(request_id, blocks.get_block_ids()[0], num_external_tokens):
+            self.spans.mark(request_id, "allocated")
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -312,34 +219,19 @@ class SchedulerSide:
         self._track_prefill_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         self.spans.scheduled(scheduled)
-        for request_id, producing in self._producing.items():
-            if producing.signalled or producing.spoiled or request_id not in scheduled:
-                continue
-            self.spans.mark(request_id, "computing")
-            computed = self._computed_after(scheduler_output, request_id)
-            blocks = tuple(producing.block_ids)
-            if computed >= producing.prompt_len:
-                producing.signalled = True
-                self.spans.mark(request_id, "last_step")
-                self._next.produces.append(Produce(request_id, producing.transfer_id, blocks))
-            elif self.config.progressive:
-                producing.progressed = True
-                full = computed // self.block_size
-                self._next.progress.append(
-                    Progress(request_id, producing.transfer_id, blocks, full)
-                )
-        meta, self._next = self._next, KVPushMetadata()
-        meta.doorbell = self.doorbell.port
+        computed = {
+            request_id: self._computed_after(scheduler_output, request_id)
+            for request_id in self.ledger.prefills
+            if request_id in scheduled
+        }
+        for request_id, milestone in self.ledger.step_scheduled(computed):
+            self.spans.mark(request_id, milestone)
+        meta = KVPushMetadata.of(self.ledger.take_plan())
+        meta.doorbell = self.idle.doorbell.port
         meta.park = self._only_transfers_to_wait_for(scheduler_output, meta)
         # The workers learn of finished requests only from a step: one that tells of
-        # them goes out at once (a prefill's blocks are freed on that news). Two empty
-        # schedules in a row, not one: with async scheduling an empty one may be taken
-        # while the previous batch still computes, and its outcome must not wait on us.
-        quiet = meta.park and not scheduler_output.finished_req_ids
-        if quiet and self._quiet_before and self.idle_wait_s:
-            self.idle_waits += 1
-            self.doorbell.wait(self.idle_wait_s)
-        self._quiet_before = quiet
+        # them goes out at once (a prefill's blocks are freed on that news).
+        self.idle.after_step(meta.park and not scheduler_output.finished_req_ids)
         return meta
 
     def _only_transfers_to_wait_for(self, out: Any, meta: KVPushMetadata) -> bool:
@@ -350,31 +242,28 @@ class SchedulerSide:
         comes back with it), and a worker not parked then spins vLLM's full second."""
         if out.total_num_scheduled_tokens or meta.carries_work():
             return False
-        return bool(self._consuming or self._sending or self._followers)
+        return self.ledger.waiting_on_transfers()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         request_id = request.request_id
         self._ids.forget(request_id)
-        self._admitted.discard(request_id)
-        producing = self._producing.pop(request_id, None)
-        if producing is not None:
-            return self._prefill_finished(request, producing, block_ids)
-        self.spans.mark(request_id, "finished")
-        self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
-        self._followers.pop(request_id, None)
-        tid = self._consuming.pop(request_id, None)
-        if tid is not None:
-            # Finished before its KV arrived (aborted): the worker settles the transfer
-            # and reports it, and vLLM keeps the blocks until then.
-            self._next.aborts.append(tid)
-        announced = self._announced.pop(request_id, None)
-        if announced is not None:
-            # Aborted while queued: stop keeping the producer's KV alive for it.
-            self._next.aborts.append(announced)
-        self._local_hits.pop(request_id, None)
-        self._rejected.pop(request_id, None)
-        self._learnt_from.pop(request_id, None)
-        return False, None
+        is_prefill = request_id in self.ledger.prefills
+        finish = self.ledger.finished(request_id, sendable=_status(request) in _SENDABLE)
+        if not is_prefill:
+            self.spans.mark(request_id, "finished")
+            self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
+            return False, None
+        leg = finish.echo
+        if leg is None:
+            self.spans.drop(request_id)
+            return finish.keep_blocks, None
+        self.spans.mark(request_id, "computed")
+        base = leg.base_id
+        # The id a router matching legs by X-Request-Id knows the request by.
+        known_as = base.removeprefix(api_kind(base)) if leg.named_here else base
+        return True, prefill_echo(
+            base, self.identity(), block_ids, known_as, leg.prompt_len, leg.transfer_id
+        )
 
     def update_connector_output(self, output: Any) -> None:
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
@@ -386,24 +275,20 @@ class SchedulerSide:
             for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
                 self.spans.mark(request_id, milestone, wall)
         for request_id in output.finished_sending or ():
-            self._sending.discard(request_id)
             self.spans.mark(request_id, "released")
+        self.ledger.released(output.finished_sending or ())
         failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
             self.spans.mark(request_id, "reported")
-            transfer = self._consuming.pop(request_id, None)
-            learnt_from = self._learnt_from.pop(request_id, None)
+            loaded = self.ledger.loaded(request_id, failed=request_id in failed)
             if request_id not in failed:
                 self.spans.mark(request_id, "landed")  # if no worker stamped it
                 continue
-            self._failed_loads[request_id] = None
-            while len(self._failed_loads) > FAILED_LOADS_KEPT:
-                self._failed_loads.popitem(last=False)
-            for follower in [f for f, leader in self._followers.items() if leader == request_id]:
-                self._sibling_failed(follower, request_id)
-            if learnt_from is not None:
-                self.bootstrap.forget(learnt_from)
-            if transfer is not None and self.recompute_on_failure:
+            for follower, why in loaded.followers_failed:
+                self.spans.fail(follower, f"sibling_failed: {why}")
+            if loaded.forget_endpoint:
+                self.bootstrap.forget(loaded.forget_endpoint)
+            if loaded.recomputed:
                 self._recomputed("transfer_failed")
 
     def stats(self) -> dict[str, dict[str, int]] | None:
@@ -417,9 +302,8 @@ class SchedulerSide:
 
     def _admit_prefill(self, request: Any, params: dict[str, Any]) -> None:
         request_id = request.request_id
-        if request_id in self._admitted:
+        if self.ledger.knows(request_id):
             return
-        self._admitted.add(request_id)
         base = params.get("transfer_id")
         named_here = base is None
         if named_here:
@@ -433,11 +317,11 @@ class SchedulerSide:
                 request_id,
                 base,
             )
+            self.ledger.prefill_declined(request_id)
             return
         tid, _ = self._ids.assign(request, base)
         prompt_len = len(request.prompt_token_ids or ())
-        self._producing[request_id] = _Producing(tid, base, prompt_len, named_here=named_here)
-        self._next.pending.append(Pending(tid, sequential=named_here))
+        self.ledger.prefill_arrived(request_id, tid, base, prompt_len, named_here)
         self.spans.begin(request_id, "prefill", base)
 
     def _name_transfer(self, request_id: str) -> str:
@@ -467,148 +351,85 @@ class SchedulerSide:
     def _admit_decode(self, request: Any, params: dict[str, Any]) -> None:
         """Name a decode leg's transfer and announce it to the producer, once."""
         request_id = request.request_id
-        if request_id in self._admitted:
+        if self.ledger.knows(request_id):
             return
+        learnt_from = ""
         try:
-            if not self._learn_producer(request_id, params):
+            learnt = self._learn_producer(request_id, params)
+            if learnt is None:
                 return  # its bootstrap server is being asked; vLLM asks again
+            learnt_from = learnt
             found = _decode_leg_problem(
                 params, self.config.protocol.mode, self.world, self.config.allowed_producers
             )
         except LegError as exc:
             found = exc.reason, str(exc)
-        self._admitted.add(request_id)
         if found is not None:
             reason, problem = found
-            self._rejected[request_id] = problem
+            tid = str(params.get("transfer_id", ""))
+            self.ledger.decode_rejected(request_id, tid, problem, learnt_from)
             self.counts["refused"][reason] += 1
-            self.spans.begin(request_id, "decode", str(params.get("transfer_id", "")))
+            self.spans.begin(request_id, "decode", tid)
             self.spans.fail(request_id, f"{reason}: {problem}")
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
-            if self.recompute_on_failure:
+            if self.ledger.recompute_on_failure:
                 self._recomputed(reason)
             return
         tid, leader = self._ids.assign(
             request, params["transfer_id"], params.get("remote_transfer_id")
         )
         if leader is not None:
-            # A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
-            # once; this one reads it from the prefix cache. Should prefill have made a
-            # copy for it too, let it go at once. The sibling may have finished already
-            # (vLLM adds n's choices one by one, and under load far apart): prefill
-            # made no copy for this one under n, so it must not wait for one.
-            self._followers[request_id] = leader
-            self._decline(tid, params)
-            if leader in self._failed_loads:
-                self._sibling_failed(request_id, leader)
+            # The sibling may have finished already (vLLM adds n's choices one by one,
+            # and under load far apart): prefill made no copy for this one under n,
+            # so it must not wait for one.
+            failed = self.ledger.decode_follows(request_id, tid, leader, _announce(tid, params))
+            if failed:
+                self.spans.fail(request_id, f"sibling_failed: {failed}")
             return
-        self._announced[request_id] = tid
-        self._next.announces.append(_announce(tid, params))
+        self.ledger.decode_announced(request_id, tid, _announce(tid, params), learnt_from)
         self.spans.begin(request_id, "decode", params["transfer_id"])
 
-    def _sibling_failed(self, follower: str, leader: str) -> None:
-        """The sibling bringing this prompt's KV failed to load it. Under the fail
-        policy this one fails too: computing the prompt here is what the policy
-        refuses (and on vLLM's CPU build, a seeded prompt computed in chunks kills the
-        engine). Under recompute it computes the prompt here, as its sibling will."""
-        if self.recompute_on_failure:
-            return
-        del self._followers[follower]
-        self._rejected[follower] = (
-            f"its sibling {leader} (same prompt, n > 1 or a repeated list prompt) failed "
-            "to load the prompt's KV, and kv_load_failure_policy is fail"
-        )
-        self.spans.fail(follower, f"sibling_failed: {self._rejected[follower]}")
-
-    def _learn_producer(self, request_id: str, params: dict[str, Any]) -> bool:
+    def _learn_producer(self, request_id: str, params: dict[str, Any]) -> str | None:
         """Complete a leg that names its producer only by an endpoint: a Mooncake-mode
         router's bootstrap server, or the echo's remote_host and remote_port (all that
-        vllm-router's NIXL push mode keeps of it). False while the endpoint is being
+        vllm-router's NIXL push mode keeps of it). Returns the endpoint it was learnt
+        from ("" if there was nothing to learn), or None while the endpoint is being
         asked. A leg without a transfer id takes the one its prefill leg's instance
         named (both legs carry the router's X-Request-Id)."""
         if "remote_addresses" in params:
-            return True
+            return ""
         address = _producer_endpoint(params, self.config.allowed_producers)
         if address is None:
-            return True  # nothing to learn from: _decode_leg_problem says why
+            return ""  # nothing to learn from: _decode_leg_problem says why
         engine = str(params.get("remote_engine_id") or "")
         identity = self.bootstrap.producer(address, engine)
         if identity is None:
-            return False
+            return None
         transfer_id = params.get("transfer_id") or _named_by_prefill(request_id, params)
         params.update(decode_params(transfer_id, identity))
-        self._learnt_from[request_id] = address
-        return True
-
-    def _loading(self, request_id: str) -> bool:
-        return request_id in self._announced or request_id in self._consuming
+        return address
 
     def _preempted(self, request_id: str) -> None:
-        """vLLM took a producing request's blocks back, to compute it again later. Once
-        its KV was signalled a WRITE may be reading them while they become another
-        request's: end that transfer (decode discards whatever lands and fails the
-        load, per its policy), and send nothing for the recomputed request."""
-        producing = self._producing.get(request_id)
-        sent_any = producing is not None and (producing.signalled or producing.progressed)
-        if not sent_any or producing.spoiled:
-            return  # not signalled: no WRITE reads its blocks, and resuming re-reads them
-        producing.spoiled = True
-        self._next.aborts.append(producing.transfer_id)
-        log.warning(
-            "kvpush: prefill request %s was preempted while its KV was being sent; "
-            "transfer %s ends without it",
-            request_id,
-            producing.transfer_id,
-        )
-
-    def _prefill_finished(
-        self, request: Any, producing: _Producing, block_ids: list[int]
-    ) -> tuple[bool, dict | None]:
-        if not (producing.signalled or producing.progressed):
-            # No step of it was reported: no WRITE can read these blocks.
-            self._next.aborts.append(producing.transfer_id)
-            self.spans.drop(request.request_id)
-            return False, None
-        if producing.spoiled or not producing.signalled:
-            # Ended at a preemption, or aborted between chunks: a chunk's WRITE may
-            # still read the blocks. Keep them until the producer lets go, and name
-            # nothing for decode to claim.
-            if not producing.spoiled:
-                self._next.aborts.append(producing.transfer_id)
-            self._sending.add(request.request_id)
-            self.spans.drop(request.request_id)
-            return True, None
-        self.spans.mark(request.request_id, "computed")
-        if _status(request) not in _SENDABLE:
-            # A WRITE may be reading the blocks: free them only when the producer says so.
-            self._next.aborts.append(producing.transfer_id)
-        self._sending.add(request.request_id)
-        base = producing.base_id
-        # The id a router matching legs by X-Request-Id knows the request by.
-        known_as = base.removeprefix(api_kind(base)) if producing.named_here else base
-        return True, prefill_echo(
-            base, self.identity(), block_ids, known_as, producing.prompt_len, producing.transfer_id
-        )
-
-    def _decline(self, tid: str, params: dict[str, Any]) -> None:
-        """Tell the producer nobody here claims `tid`: it frees any KV made for it."""
-        self._next.announces.append(_announce(tid, params))
-        self._next.aborts.append(tid)
+        """vLLM took a producing request's blocks back, to compute it again later."""
+        if self.ledger.preempted(request_id):
+            log.warning(
+                "kvpush: prefill request %s was preempted while its KV was being sent; "
+                "transfer %s ends without it",
+                request_id,
+                self.ledger.prefills[request_id].transfer_id,
+            )
 
     def _track_prefill_blocks(self, out: Any) -> None:
         for new in out.scheduled_new_reqs:
-            if new.req_id in self._producing:
-                self._producing[new.req_id].block_ids = list(new.block_ids[0])
+            if new.req_id in self.ledger.prefills:
+                self.ledger.blocks_assigned(new.req_id, new.block_ids[0], resumed=True)
         cached = out.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
-            producing = self._producing.get(request_id)
             new_blocks = cached.new_block_ids[i]
-            if producing is None or new_blocks is None:
+            if request_id not in self.ledger.prefills or new_blocks is None:
                 continue
-            if request_id in cached.resumed_req_ids:
-                producing.block_ids = list(new_blocks[0])
-            else:
-                producing.block_ids.extend(new_blocks[0])
+            resumed = request_id in cached.resumed_req_ids
+            self.ledger.blocks_assigned(request_id, new_blocks[0], resumed)
 
     def _computed_after(self, out: Any, request_id: str) -> int:
         """How many of the request's tokens have KV once this step has run (prefix-cache

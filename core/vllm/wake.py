@@ -23,6 +23,29 @@ import select
 import socket
 
 
+class IdleSteps:
+    """Whether an empty step waits on the doorbell, and for how long."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.doorbell = Doorbell()
+        self.wait_s = wait_s
+        self.waits = 0  # steps that waited (tests, metrics)
+        self._quiet_before = False  # the last step was quiet too
+
+    def after_step(self, quiet: bool) -> None:
+        """A step was planned; `quiet`: it computes nothing, tells the workers nothing,
+        and only a transfer's end can change that. Two quiet steps in a row, not one,
+        wait: with async scheduling an empty step may be taken while the previous
+        batch still computes, and its outcome must not wait on us."""
+        if quiet and self._quiet_before and self.wait_s:
+            self.waits += 1
+            self.doorbell.wait(self.wait_s)
+        self._quiet_before = quiet
+
+    def close(self) -> None:
+        self.doorbell.close()
+
+
 class Doorbell:
     """The scheduler's end: a loopback UDP socket nobody needs to connect to."""
 

@@ -14,19 +14,15 @@ from typing import Any
 
 import msgspec
 
+from kvpush.engine.outcomes import Outcomes
+from kvpush.engine.steps import Produce, Progress
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
-from kvpush.vllm.metadata import (
-    KVPushHandshake,
-    KVPushMetadata,
-    KVPushWorkerMeta,
-    Produce,
-    Progress,
-)
+from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.stats import KVPushStats
 from kvpush.vllm.wake import Ringer
 
@@ -111,12 +107,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._produces: list[Produce] = []
         self._progress: list[Progress] = []
-        self._sender_of: dict[str, str] = {}  # transfer id -> prefill request id
-        self._receiver_of: dict[str, str] = {}  # transfer id -> decode request id
-        self._released: set[str] = set()
-        self._finished: set[str] = set()
-        self._recv_done: set[str] = set()
-        self._recv_failed: set[str] = set()
+        self._outcomes = Outcomes()
         self._stats = KVPushStats()
         self._samples_seen = 0
         self._counted: dict[str, float] = {}  # node counters already reported
@@ -200,7 +191,7 @@ class WorkerSide:
             for source in self._sources(announce.producers, announce.epochs):
                 node.announce(announce.transfer_id, source.peer, announce.engine, source.epoch)
         for expect in meta.expects:
-            self._receiver_of[expect.transfer_id] = expect.request_id
+            self._outcomes.receiving(expect.request_id, expect.transfer_id)
             node.expect(
                 expect.transfer_id,
                 self._sources(expect.producers, expect.epochs),
@@ -212,12 +203,11 @@ class WorkerSide:
             node.abort(tid)
         for request_id, why in meta.rejects:
             log.error("kvpush: failing the KV load of %s: %s", request_id, why)
-            self._recv_done.add(request_id)
-            self._recv_failed.add(request_id)
+            self._outcomes.rejected(request_id)
         self._produces = list(meta.produces)
         self._progress = list(meta.progress)
         for sent in (*self._produces, *self._progress):
-            self._sender_of[sent.transfer_id] = sent.request_id
+            self._outcomes.sending(sent.request_id, sent.transfer_id)
 
     def save_layer(self, layer_name: str) -> None:
         """One layer of this step's KV is written: push it to whoever registered."""
@@ -247,31 +237,21 @@ class WorkerSide:
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) request ids."""
-        # Only prefill requests whose KV we still hold, or have released, matter.
-        senders = set(self._sender_of.values()) | self._released
-        self._finished |= finished_req_ids & senders
+        self._outcomes.engine_finished(finished_req_ids)
         if self.node is not None:
             for outcome in self.node.take_results():
                 self._account(outcome)
-        # A prefill request's blocks go back only once vLLM has finished it, too.
-        sending = self._released & self._finished
-        self._released -= sending
-        self._finished -= sending
-        recving, failed = self._recv_done, self._recv_failed
-        self._recv_done, self._recv_failed = set(), set()
-        return sending, recving, failed
+        return self._outcomes.take()
 
     def _account(self, outcome: Any) -> None:
         tid = outcome.transfer_id
         if outcome.kind == "chunk_sent":
-            request_id = self._sender_of.get(tid)
+            request_id = self._outcomes.sender(tid)
             if request_id is not None:
                 self._noted.chunk_sent.setdefault(request_id, outcome.wall)
             return
         if outcome.kind == "released":
-            request_id = self._sender_of.pop(tid, None)
-            if request_id is not None:
-                self._released.add(request_id)
+            if self._outcomes.let_go(tid) is not None:
                 self._stats.data["released"] += 1
                 self._stats.data["bytes"] += outcome.nbytes  # sent, on a producer
             if outcome.reason == "orphaned":
@@ -282,11 +262,10 @@ class WorkerSide:
                 )  # fmt: skip
                 self._stats.count("orphaned", "no_decode_announced")
             return
-        request_id = self._receiver_of.pop(tid, None)
+        request_id = self._outcomes.received(tid, ok=outcome.kind == "delivered")
         if request_id is None:
             log.warning("kvpush: outcome for unknown transfer %s: %s", tid, outcome)
             return
-        self._recv_done.add(request_id)
         if outcome.kind == "delivered":
             self._noted.landed[request_id] = outcome.wall
             if outcome.ready_wall:
@@ -298,7 +277,6 @@ class WorkerSide:
                 "kvpush: transfer %s for %s failed (%s) %s",
                 tid, request_id, outcome.reason, outcome.detail,
             )  # fmt: skip
-            self._recv_failed.add(request_id)
             self._noted.failed.setdefault(request_id, f"{outcome.reason}: {outcome.detail}")
             self._stats.data["failed"] += 1
 

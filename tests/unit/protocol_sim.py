@@ -179,7 +179,8 @@ class _ProducerPorts(_Ports):
         if tid in sim.released:
             sim.errors.append(f"{tid} released twice by the producer")
         sim.released[tid] = outcome.reason
-        sim.p_ledger.release(tid)
+        if not sim.engine_frees:
+            sim.p_ledger.release(tid)
 
 
 class _ConsumerPorts(_Ports):
@@ -254,6 +255,7 @@ class Sim:
         consumer_blocks: int = 64,
         handshake_ok: bool = True,
         layers: int = 1,
+        engine_frees: bool = False,
     ) -> None:
         self.config = config or ProtocolConfig(
             mode=mode,
@@ -269,6 +271,9 @@ class Sim:
             silence_s=4,
         )
         self.mode = self.config.mode
+        # Whether the prefill engine frees its blocks itself (an engine model drives
+        # the simulation), or they go back the moment the producer releases them.
+        self.engine_frees = engine_frees
         self.now = 0.0
         self.handshake_ok = handshake_ok
         self.layers = layers

@@ -213,7 +213,7 @@ def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_a
     try:
         for r, side in enumerate(ranks):
             side.set_handshakes({0: KVPushHandshake(0, 1, f"10.0.0.5:{7100 + r}", f"b{r}", "a")})
-        assert ranks[1].bootstrap_server is None  # one bootstrap server per instance
+        assert ranks[1].me.bootstrap_server is None  # one bootstrap server per instance
         second = fetch_query(f"http://127.0.0.1:{identity_port + 1}")
         assert (second["engine_id"], second["dp_rank"]) == ("engine-p_dp1", 1)
         answer = fetch_query(f"http://127.0.0.1:{bootstrap_port}")

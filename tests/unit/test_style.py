@@ -26,8 +26,10 @@ def test_ruff(command):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
 
 
-# What the protocol package may not import: it is sans-I/O (events in, actions out),
-# so the environment, clocks, randomness, logging and sockets belong to its callers.
+# What the protocol and engine packages may not import: they are sans-I/O (events
+# in, actions out), so the environment, clocks, randomness, logging and sockets
+# belong to their callers; and the engine package is the engine's contract, not
+# vLLM's, so vLLM belongs to kvpush.vllm.
 IO_MODULES = {
     "os",
     "logging",
@@ -39,12 +41,15 @@ IO_MODULES = {
     "select",
     "asyncio",
     "subprocess",
+    "vllm",
+    "torch",
 }
 
 
-def test_the_protocol_package_does_no_io():
+@pytest.mark.parametrize("package", ["protocol", "engine"])
+def test_the_sans_io_packages_do_no_io(package):
     offenders = []
-    for path in sorted((ROOT / "core" / "protocol").glob("*.py")):
+    for path in sorted((ROOT / "core" / package).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

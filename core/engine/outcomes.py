@@ -1,0 +1,77 @@
+"""A worker's half of the request ledger: which engine request each transfer serves,
+and when the engine may hear of each outcome.
+
+The scheduler's Ledger (kvpush.engine.ledger) names, in each step's plan, the
+request every claimed or produced transfer belongs to; workers hear of transfers by
+id only (the protocol knows no requests). Outcomes keeps that map from the plans and
+turns each transfer's end into what vLLM's contract asks of a worker: the requests
+finished sending (a prefill's blocks may be reused: the producer let go, and the
+engine finished the request too), finished receiving, and failed receiving. Plain
+values in and out, like the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self._sender_of: dict[str, str] = {}  # transfer id -> prefill request id
+        self._receiver_of: dict[str, str] = {}  # transfer id -> decode request id
+        self._released: set[str] = set()  # prefill requests the producer let go
+        self._finished: set[str] = set()  # prefill requests the engine finished
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+
+    # -- from the step's plan -------------------------------------------------------
+
+    def receiving(self, request_id: str, transfer_id: str) -> None:
+        self._receiver_of[transfer_id] = request_id
+
+    def sending(self, request_id: str, transfer_id: str) -> None:
+        self._sender_of[transfer_id] = request_id
+
+    def rejected(self, request_id: str) -> None:
+        """A decode leg that fails at once: its load is reported failed."""
+        self._recv_done.add(request_id)
+        self._recv_failed.add(request_id)
+
+    # -- from the node's outcomes ---------------------------------------------------
+
+    def sender(self, transfer_id: str) -> str | None:
+        """The prefill request a transfer sends, while its blocks are held."""
+        return self._sender_of.get(transfer_id)
+
+    def let_go(self, transfer_id: str) -> str | None:
+        """The producer released a transfer's blocks: the request they belong to."""
+        request_id = self._sender_of.pop(transfer_id, None)
+        if request_id is not None:
+            self._released.add(request_id)
+        return request_id
+
+    def received(self, transfer_id: str, ok: bool) -> str | None:
+        """A claimed transfer landed (`ok`) or failed: the request it loads."""
+        request_id = self._receiver_of.pop(transfer_id, None)
+        if request_id is not None:
+            self._recv_done.add(request_id)
+            if not ok:
+                self._recv_failed.add(request_id)
+        return request_id
+
+    # -- to the engine --------------------------------------------------------------
+
+    def engine_finished(self, request_ids: Iterable[str]) -> None:
+        """The engine finished these requests; only prefill legs we hold matter."""
+        senders = set(self._sender_of.values()) | self._released
+        self._finished |= set(request_ids) & senders
+
+    def take(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call.
+        A prefill request's blocks go back only once the engine has finished it, too."""
+        sending = self._released & self._finished
+        self._released -= sending
+        self._finished -= sending
+        recving, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return sending, recving, failed
