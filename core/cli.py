@@ -28,7 +28,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from kvpush.plugins import get_backends
+    from kvpush.backend.plugins import get_backends
 
     backends = get_backends()
     probes = backends.probes()

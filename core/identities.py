@@ -1,10 +1,20 @@
-"""An instance's identity as others ask for it: `GET /query`, the one contract between
-kvpush's connector (which serves it), its router and the Ray backend (which read it).
+"""The contract between kvpush's connector, its router and the Ray backend: an
+instance's identity, and the kv_transfer_params of the two-leg contract
+(docs/routing.md).
 
-A kvpush identity endpoint answers the identity itself (engine id, boot epoch,
-side-channel addresses per TP rank, TP size, block size, mode, ...); a bootstrap
-server answers Mooncake's shape, one entry per data-parallel rank, each with the
-kvpush identity inside (`mooncake_query`). `fetch_query` is the one bounded client.
+A kvpush identity endpoint answers `GET /query` with an InstanceIdentity (engine id,
+boot epoch, side-channel addresses per TP rank, TP size, block size, mode, ...); a
+bootstrap server answers Mooncake's shape, one entry per data-parallel rank, each
+with the kvpush identity inside (`mooncake_query`). `fetch_query` is the one
+bounded client, and `parse_identity` the one reader: an answer that is not a kvpush
+identity is refused there, naming the field.
+
+The kv_transfer_params are built here for everyone who writes them: the router,
+the prefill instance's echo, and a decode instance completing a leg from a
+bootstrap server. The prefill echo also carries upstream NixlConnector's fields
+(remote_block_ids, remote_host, remote_port, remote_request_id, tp_size, ...), with
+upstream's types: routers built for NixlConnector read them, and some forward the
+echo to decode only when they are there (vllm-router's NIXL mode).
 """
 
 from __future__ import annotations
@@ -13,22 +23,72 @@ import json
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
+
+import msgspec
+
+from kvpush.errors import KVPushError
 
 TIMEOUT_S = 3.0
 MAX_ANSWER = 1 << 20  # bytes: a thousand DP ranks' identities fit
 
 
-def mooncake_query(identities: list[dict[str, Any]]) -> dict[str, Any]:
+class IdentityError(KVPushError):
+    """An answer that is not a kvpush identity."""
+
+
+class RankIdentity(msgspec.Struct, frozen=True):
+    """One tensor-parallel rank's worker: its side channel, boot and NIXL agent."""
+
+    rank: int
+    address: str  # host:port of its side channel, "" for a pure consumer
+    epoch: str = ""
+    agent: str = ""
+
+
+class InstanceIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """A kvpush instance (one data-parallel rank of it) as `GET /query` answers it."""
+
+    engine_id: str
+    epoch: str  # this boot's: every rank's, joined by "-"
+    transfer_mode: str  # "push" | "pull"
+    tp_size: int
+    addresses: list[str]  # each TP rank's side channel, in rank order
+    endpoint: str = ""  # host:port of its identity endpoint
+    block_size: int = 0  # tokens per block (0: not said)
+    block_pages: bool = True  # a peer of another block size may take its blocks as pages
+    dp_rank: int = 0
+    data_parallel: bool = False
+    ranks: list[RankIdentity] = []
+    kvpush: bool = True
+
+    def to_query(self) -> dict[str, Any]:
+        """As JSON carries it."""
+        return msgspec.to_builtins(self)
+
+
+def parse_identity(answer: Any, where: str = "the answer") -> InstanceIdentity:
+    """`answer` (decoded JSON) as an InstanceIdentity; IdentityError naming what is
+    wrong if it is not one."""
+    if not isinstance(answer, dict) or not answer.get("kvpush"):
+        raise IdentityError(f"{where} is not a kvpush identity")
+    try:
+        return msgspec.convert(answer, InstanceIdentity)
+    except msgspec.ValidationError as exc:
+        raise IdentityError(f"{where} is not a kvpush identity: {exc}") from None
+
+
+def mooncake_query(identities: list[InstanceIdentity]) -> dict[str, Any]:
     """This instance as Mooncake's bootstrap `GET /query` answers it: one entry per
     data-parallel rank (each rank is its own engine, `<engine id>_dp<rank>`)."""
     answer = {}
     for identity in identities:
-        workers = {str(r): {"0": f"tcp://{a}"} for r, a in enumerate(identity["addresses"])}
-        answer[str(identity.get("dp_rank", 0))] = {
-            "engine_id": identity["engine_id"],
+        workers = {str(r): {"0": f"tcp://{a}"} for r, a in enumerate(identity.addresses)}
+        answer[str(identity.dp_rank)] = {
+            "engine_id": identity.engine_id,
             "worker_addr": workers,
-            "kvpush": identity,
+            "kvpush": identity.to_query(),
         }
     return answer
 
@@ -56,23 +116,94 @@ def fetch_query(address: str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
     return answer
 
 
-def dp_siblings(identity_url: str, first: dict[str, Any], most: int = 256) -> list[dict[str, Any]]:
+def dp_siblings(
+    identity_url: str, first: InstanceIdentity, most: int = 256
+) -> list[InstanceIdentity]:
     """The identities of DP ranks 1, 2, ... of the instance whose DP rank 0 answers at
     `identity_url` (http://host:port) with `first`: each at the next port, until a port
     does not answer with a sibling (vLLM names DP rank d's engine `<base>_dp<d>`).
     None for an instance that is not data parallel."""
-    if not first.get("data_parallel"):
+    if not first.data_parallel:
         return []
     parts = urllib.parse.urlsplit(identity_url)
-    base = str(first["engine_id"]).removesuffix("_dp0")
+    base = first.engine_id.removesuffix("_dp0")
     found = []
     for rank in range(1, most):
         url = f"{parts.scheme}://{parts.hostname}:{(parts.port or 0) + rank}"
         try:
-            identity = fetch_query(url)
-        except (OSError, ValueError):
+            identity = parse_identity(fetch_query(url), url)
+        except (OSError, ValueError, IdentityError):
             break
-        if identity.get("engine_id") != f"{base}_dp{rank}":
+        if identity.engine_id != f"{base}_dp{rank}":
             break
         found.append(identity)
     return found
+
+
+def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any]:
+    """A decode leg's kv_transfer_params: take `transfer_id`'s KV from the prefill
+    instance `identity`."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "transfer_mode": identity.transfer_mode,
+        "remote_engine_id": identity.engine_id,
+        "remote_epoch": identity.epoch,
+        "remote_addresses": list(identity.addresses),
+        "tp_size": identity.tp_size,
+        "remote_block_size": identity.block_size,
+        "remote_block_pages": identity.block_pages,
+        "remote_dp_rank": identity.dp_rank,
+        "remote_data_parallel": identity.data_parallel,
+    }
+
+
+def prefill_echo(
+    transfer_id: str,
+    identity: InstanceIdentity,
+    block_ids: Sequence[int],
+    request_id: str,
+    num_tokens: int,
+    engine_transfer_id: str = "",
+) -> dict[str, Any]:
+    """What a prefill instance answers in kv_transfer_params: the decode leg's params,
+    plus upstream NixlConnector's fields. `remote_host`/`remote_port` name this
+    instance's identity endpoint (as upstream's name the endpoint serving every
+    rank's handshake): a decode handed only those finds the rest there.
+    `request_id` is the id a router that matches legs by X-Request-Id knows it by;
+    `engine_transfer_id` the transfer this answer's KV is held under (a retried leg's
+    is not the first attempt's: kvpush.vllm.transfers)."""
+    host, _, port = identity.endpoint.rpartition(":")
+    return {
+        **decode_params(transfer_id, identity),
+        "remote_block_ids": [[int(b) for b in block_ids]],  # one list per KV cache group
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": int(port),
+        "pp_size": 1,
+        "dcp_size": 1,
+        "remote_num_tokens": int(num_tokens),
+        "remote_transfer_id": engine_transfer_id,
+    }
+
+
+def identity_from_decode_params(params: dict[str, Any]) -> InstanceIdentity | None:
+    """The prefill identity a decode leg's kv_transfer_params name (None if they name
+    none, or not in kvpush's types)."""
+    named = {
+        "kvpush": True,
+        "engine_id": params.get("remote_engine_id"),
+        "epoch": params.get("remote_epoch"),
+        "transfer_mode": params.get("transfer_mode"),
+        "addresses": params.get("remote_addresses"),
+        "tp_size": params.get("tp_size"),
+        "block_size": params.get("remote_block_size", 0),
+        "block_pages": params.get("remote_block_pages", True),
+        "dp_rank": params.get("remote_dp_rank", 0),
+        "data_parallel": params.get("remote_data_parallel", False),
+    }
+    try:
+        return parse_identity(named)
+    except IdentityError:
+        return None

@@ -7,8 +7,10 @@
 - staging: the shared hooks of backends that copy KV through host buffers;
 - seam: Swappable, the device runtime a test replaces with a fake.
 
-A backend module imports what it needs from here; the wire format (kvpush.layout) and
-the core's side of the calls (kvpush.plugins) live elsewhere. Errors to raise are in
+Beside them, the core's side: plugins (the plugin manager that finds backends through
+the `kvpush.backends` entry points and routes calls) and host (the built-in DRAM
+backend, registered the same way). A backend module imports what it needs from this
+package; the wire format (kvpush.layout) lives elsewhere. Errors to raise are in
 kvpush.errors: BackendError, ConfigError, BackendNotImplemented.
 """
 

@@ -20,17 +20,16 @@ during a window is explained by that fault.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush.errors import KVPushError
+from kvpush.identities import fetch_query, parse_identity
 from kvpush.protocol.messages import REASONS
 
 if TYPE_CHECKING:
@@ -166,9 +165,8 @@ class Injector:
 
 def side_channel_ports(identity_url: str) -> list[int]:
     """The side-channel ports an instance's identity names, one per TP rank."""
-    with urllib.request.urlopen(identity_url + "/query", timeout=5) as response:
-        identity = json.loads(response.read())
-    return [int(address.rsplit(":", 1)[1]) for address in identity["addresses"]]
+    identity = parse_identity(fetch_query(identity_url, timeout=5), identity_url)
+    return [int(address.rsplit(":", 1)[1]) for address in identity.addresses]
 
 
 def cut_connections(ports: list[int]) -> tuple[int, str]:

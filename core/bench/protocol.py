@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.backend.plugins import get_backends
 from kvpush.bench.report import Report
 from kvpush.node import Node, NodeConfig
-from kvpush.plugins import get_backends
 from kvpush.protocol.config import ProtocolConfig
 
 # 32 layers, as an 8B-parameter model has; 8 blocks of 8 KiB each per layer: 2 MiB a request.

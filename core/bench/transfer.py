@@ -29,9 +29,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvpush.backend.plugins import get_backends
 from kvpush.bench.report import Report
 from kvpush.layout import BlockTable, KVLayout, Shard, plan
-from kvpush.plugins import get_backends
 from kvpush.transport.agent import AgentConfig, NixlAgent
 from kvpush.transport.channel import Connection, Listener, connect
 from kvpush.transport.loop import Loop

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from kvpush.backend import DeviceKV
+from kvpush.backend.plugins import Backends
 from kvpush.errors import KVPushError, TransportError
 from kvpush.layout import BlockTable, KVLayout, Unit, blocks_of, plan, units
 from kvpush.node.interpreter import MetricsSink, Settled
-from kvpush.plugins import Backends
 from kvpush.protocol import actions as act
 from kvpush.protocol.messages import join_notifs
 from kvpush.transport.agent import NixlAgent, PreparedList, Transfer

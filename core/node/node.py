@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any
 
 from kvpush.backend import DeviceKV
+from kvpush.backend.plugins import Backends, get_backends
 from kvpush.errors import KVPushError
 from kvpush.layout import KVLayout
 from kvpush.metrics import Metrics
@@ -29,7 +30,6 @@ from kvpush.node.datapath import DataPath
 from kvpush.node.faults import Faults, FaultyAgent, FaultyBackends
 from kvpush.node.interpreter import Interpreter, Outcome
 from kvpush.node.links import Links
-from kvpush.plugins import Backends, get_backends
 from kvpush.protocol import actions as act
 from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig

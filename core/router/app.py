@@ -21,8 +21,13 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.errors import KVPushError
-from kvpush.identities import dp_siblings
-from kvpush.kv_params import identity_from_decode_params
+from kvpush.identities import (
+    IdentityError,
+    InstanceIdentity,
+    dp_siblings,
+    identity_from_decode_params,
+    parse_identity,
+)
 from kvpush.limits import raise_open_files
 from kvpush.metrics import Metrics
 from kvpush.router.instances import Instance, Pool, pairing_problem
@@ -381,11 +386,13 @@ class Router:
         prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, identity, task))
         return response
 
-    def _prefill_done(self, prefill: Instance, named: dict[str, Any], task: asyncio.Future) -> None:
+    def _prefill_done(
+        self, prefill: Instance, named: InstanceIdentity, task: asyncio.Future
+    ) -> None:
         if task.cancelled() or task.exception() is not None:
             return
         echo = identity_from_decode_params(task.result().get("kv_transfer_params") or {})
-        if echo and echo["epoch"] != named["epoch"]:
+        if echo and echo.epoch != named.epoch:
             log.info("kvpush router: %s restarted (new epoch); relearning", prefill.url)
             prefill.forget()
             prefill.learn(echo)
@@ -558,7 +565,7 @@ class Router:
         for identity in [first, *others]:
             instance.learn(identity)
 
-    async def _fetch_identity(self, instance: Instance, url: str) -> dict[str, Any]:
+    async def _fetch_identity(self, instance: Instance, url: str) -> InstanceIdentity:
         try:
             async with self._http().get(url) as response:
                 answer = await response.json()
@@ -568,14 +575,16 @@ class Router:
                 f"{instance.role} instance {instance.url} has no kvpush identity at {url} ({exc}): "
                 "is it running KVPushConnector with identity_port set?",
             ) from exc
-        if not answer.get("kvpush"):
-            raise LegFailed(502, f"{url} is not a kvpush identity endpoint")
-        if answer["transfer_mode"] != self.config.mode:
+        try:
+            identity = parse_identity(answer, f"{url}'s answer")
+        except IdentityError as exc:
+            raise LegFailed(502, str(exc)) from None
+        if identity.transfer_mode != self.config.mode:
             log.warning(
                 "kvpush router: %s is in %s mode, the router in %s mode",
-                instance.url, answer["transfer_mode"], self.config.mode,
+                instance.url, identity.transfer_mode, self.config.mode,
             )  # fmt: skip
-        return answer
+        return identity
 
     async def _healthy(self, instance: Instance) -> bool:
         try:

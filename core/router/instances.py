@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpush.errors import ConfigError
+from kvpush.identities import InstanceIdentity
 from kvpush.layout import block_size_problem, tp_problem
 
 
@@ -22,19 +23,19 @@ class Instance:
     identity_url: str | None = None
     outstanding: int = 0
     # Its kvpush identity by data-parallel rank (each DP rank is an engine of its own).
-    ranks: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    ranks: dict[int, InstanceIdentity] = field(default_factory=dict, repr=False)
     ejected_until: float = 0.0  # monotonic time; picked again only after it
     identity_asked: float = float("-inf")  # monotonic time its identity was last asked
     _turn: int = 0
 
-    def learn(self, identity: dict[str, Any]) -> None:
-        self.ranks[int(identity.get("dp_rank", 0))] = identity
+    def learn(self, identity: InstanceIdentity) -> None:
+        self.ranks[identity.dp_rank] = identity
 
     def forget(self) -> None:
         """It may come back as a new incarnation: learn it afresh."""
         self.ranks.clear()
 
-    def pick_rank(self) -> tuple[int | None, dict[str, Any]]:
+    def pick_rank(self) -> tuple[int | None, InstanceIdentity]:
         """The DP rank the next prefill leg is pinned to (round robin over the ranks
         learnt) and its identity; rank None when the instance is not data parallel,
         so vLLM's own balancing may place the leg."""
@@ -42,9 +43,9 @@ class Instance:
         rank = ranks[self._turn % len(ranks)]
         self._turn += 1
         identity = self.ranks[rank]
-        return (rank if identity.get("data_parallel") else None), identity
+        return (rank if identity.data_parallel else None), identity
 
-    def any_identity(self) -> dict[str, Any] | None:
+    def any_identity(self) -> InstanceIdentity | None:
         """Its identity as far as pairing goes (every DP rank shares its shape)."""
         return next(iter(self.ranks.values()), None)
 
@@ -95,21 +96,18 @@ class Pool:
         return any(i is not instance for i in self.instances)
 
 
-def pairing_problem(prefill: dict[str, Any], decode: dict[str, Any]) -> str | None:
+def pairing_problem(prefill: InstanceIdentity, decode: InstanceIdentity) -> str | None:
     """Why a prefill and a decode instance (their identities) cannot exchange KV, or
     None: the rules the two workers' handshake would apply, checked before a request
     is sent to fail there."""
-    if prefill["transfer_mode"] != decode["transfer_mode"]:
+    if prefill.transfer_mode != decode.transfer_mode:
         return (
-            f"transfer modes differ: prefill {prefill['transfer_mode']}, decode "
-            f"{decode['transfer_mode']}"
+            f"transfer modes differ: prefill {prefill.transfer_mode}, decode {decode.transfer_mode}"
         )
-    prefill_block, decode_block = prefill.get("block_size", 0), decode.get("block_size", 0)
-    if prefill_block and decode_block:
+    if prefill.block_size and decode.block_size:
         problem = block_size_problem(
-            prefill_block, decode_block,
-            prefill.get("block_pages", True), decode.get("block_pages", True),
-        )  # fmt: skip
+            prefill.block_size, decode.block_size, prefill.block_pages, decode.block_pages
+        )
         if problem:
             return problem
-    return tp_problem(int(prefill["tp_size"]), int(decode["tp_size"]), 0)
+    return tp_problem(prefill.tp_size, decode.tp_size, 0)

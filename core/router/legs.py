@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kvpush.kv_params import decode_params
+from kvpush.identities import InstanceIdentity, decode_params
 
 
 def new_transfer_id() -> str:
@@ -50,8 +50,10 @@ def prefill_leg(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     return leg
 
 
-def decode_leg(body: dict[str, Any], transfer_id: str, identity: dict[str, Any]) -> dict[str, Any]:
-    """The client's request, told where its KV comes from (identity: GET /query's answer)."""
+def decode_leg(
+    body: dict[str, Any], transfer_id: str, identity: InstanceIdentity
+) -> dict[str, Any]:
+    """The client's request, told where its KV comes from."""
     leg = dict(body)
     leg["kv_transfer_params"] = decode_params(transfer_id, identity)
     return leg

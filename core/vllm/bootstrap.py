@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.errors import KVPushError
-from kvpush.identities import fetch_query
+from kvpush.identities import IdentityError, InstanceIdentity, fetch_query, parse_identity
 
 CACHE_S = 10.0  # how long a learnt identity is used before it is asked for again
 RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
@@ -78,7 +78,7 @@ class BootstrapResolver:
         self._asking: set[str] = set()
         self._pool = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="kvpush-bootstrap")
 
-    def producer(self, address: str, engine_id: str) -> dict[str, Any] | None:
+    def producer(self, address: str, engine_id: str) -> InstanceIdentity | None:
         """The kvpush identity of engine `engine_id` at bootstrap server `address`, or
         None while it is being asked for. Raises LegError if it cannot be had."""
         now = self._clock()
@@ -149,7 +149,7 @@ def _has(answer: dict[str, Any], engine_id: str) -> bool:
     return any(e.get("engine_id") == engine_id for e in _entries(answer))
 
 
-def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any]:
+def _pick(address: str, answer: dict[str, Any], engine_id: str) -> InstanceIdentity:
     entries = _entries(answer)
     for entry in entries:
         if entry.get("engine_id") != engine_id:
@@ -162,7 +162,10 @@ def _pick(address: str, answer: dict[str, Any], engine_id: str) -> dict[str, Any
                 "not running KVPushConnector (a MooncakeConnector, say), and a "
                 "KVPushConnector decode instance cannot pair with it",
             )
-        return identity
+        try:
+            return parse_identity(identity, f"the identity bootstrap server {address} gave")
+        except IdentityError as exc:
+            raise LegError("bad_identity", str(exc)) from None
     engines = sorted(str(e.get("engine_id")) for e in entries)
     raise LegError(
         "unknown_engine",

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvpush.identities import dp_siblings, mooncake_query
+from kvpush.identities import InstanceIdentity, RankIdentity, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, rank_port
 from kvpush.vllm.metadata import KVPushHandshake
 
@@ -75,7 +75,7 @@ class IdentityServer:
         self.server.server_close()
 
 
-class InstanceIdentity:
+class IdentityService:
     """This instance as routers see it (GET /query, and the prefill answer's echo),
     and the HTTP servers that answer for it: its own identity endpoint, and on DP
     rank 0 a Mooncake-shaped bootstrap server speaking for every DP rank."""
@@ -112,7 +112,7 @@ class InstanceIdentity:
         if self.identity_server is None:
             port = rank_port(self.config.identity_port, self.dp_rank)
             self.identity_server = IdentityServer(
-                self.config.host, port, {"/query": lambda _: self.identity(), **routes}
+                self.config.host, port, {"/query": lambda _: self.identity().to_query(), **routes}
             )
         if self.config.bootstrap_port and self.dp_rank == 0 and self.bootstrap_server is None:
             query = {"/query": lambda _: mooncake_query(self._dp_identities())}
@@ -120,27 +120,25 @@ class InstanceIdentity:
                 self.config.host, self.config.bootstrap_port, query
             )
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> InstanceIdentity:
         port = self.identity_server.port if self.identity_server is not None else 0
-        return {
-            "engine_id": self.engine_id,
-            "endpoint": f"{self.config.host}:{port}",
-            "epoch": self.epoch,
-            "transfer_mode": self.config.protocol.mode,
-            "tp_size": self.world,
-            "block_size": self.block_size,
-            "block_pages": self.block_pages,
-            "dp_rank": self.dp_rank,
-            "data_parallel": self.data_parallel,
-            "addresses": [self._ranks[r].address for r in sorted(self._ranks)],
-            "ranks": [
-                {"rank": r, "address": h.address, "epoch": h.epoch, "agent": h.agent}
-                for r, h in sorted(self._ranks.items())
+        return InstanceIdentity(
+            engine_id=self.engine_id,
+            endpoint=f"{self.config.host}:{port}",
+            epoch=self.epoch,
+            transfer_mode=self.config.protocol.mode,
+            tp_size=self.world,
+            block_size=self.block_size,
+            block_pages=self.block_pages,
+            dp_rank=self.dp_rank,
+            data_parallel=self.data_parallel,
+            addresses=[self._ranks[r].address for r in sorted(self._ranks)],
+            ranks=[
+                RankIdentity(r, h.address, h.epoch, h.agent) for r, h in sorted(self._ranks.items())
             ],
-            "kvpush": True,
-        }
+        )
 
-    def _dp_identities(self) -> list[dict[str, Any]]:
+    def _dp_identities(self) -> list[InstanceIdentity]:
         """Every DP rank's identity: ours, then DP rank 1, 2, ... from their identity
         endpoints until one does not answer (vLLM tells an engine its own DP rank, not
         how many there are)."""

@@ -10,7 +10,7 @@ kv_transfer_params, the two-leg contract (docs/routing.md):
   decode leg    {"do_remote_prefill": true, "transfer_id": T, "transfer_mode": M,
                  "remote_engine_id": E, "remote_epoch": X, "remote_addresses": [...]}
 and the prefill response echoes the producer's identity in the decode-leg shape,
-with upstream NixlConnector's fields beside it (kvpush.kv_params.prefill_echo).
+with upstream NixlConnector's fields beside it (kvpush.identities.prefill_echo).
 A prefill leg with no transfer_id (a sequential orchestrator sending upstream
 NixlConnector's shape) gets one named here, after its API request, so the echo it
 forwards still moves KV; a decode leg that names its producer only by an endpoint
@@ -31,13 +31,13 @@ from typing import Any
 from kvpush.engine.ledger import Ledger
 from kvpush.engine.steps import Announce
 from kvpush.errors import ConfigError, ProtocolError
-from kvpush.kv_params import decode_params, prefill_echo
+from kvpush.identities import InstanceIdentity, decode_params, prefill_echo
 from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError
 from kvpush.vllm.config import ConnectorConfig, producer_allowed
-from kvpush.vllm.identity import EPOCH_SEPARATOR, InstanceIdentity
+from kvpush.vllm.identity import EPOCH_SEPARATOR, IdentityService
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
@@ -57,7 +57,7 @@ class SchedulerSide:
     It reads vLLM's objects and kv_transfer_params, names transfers, completes decode
     legs that name their producer by an endpoint, and counts and traces what
     happens; what each request's state is and what the workers are told, the ledger
-    decides. This instance's identity and its endpoints are InstanceIdentity's, and
+    decides. This instance's identity and its endpoints are IdentityService's, and
     whether an empty step waits, IdleSteps'.
     """
 
@@ -92,7 +92,7 @@ class SchedulerSide:
                 "bootstrap_port with --data-parallel-size > 1 needs identity_port too: DP "
                 "rank 0's bootstrap server asks every other rank at identity_port + rank"
             )
-        self.me = InstanceIdentity(
+        self.me = IdentityService(
             config, engine_id, block_size, world, dp_rank, data_parallel, block_pages
         )
         self.ledger = Ledger(
@@ -142,7 +142,7 @@ class SchedulerSide:
             },
         )
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> InstanceIdentity:
         """This instance as routers see it: GET /query, and the prefill response echo."""
         return self.me.identity()
 

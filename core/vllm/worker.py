@@ -14,12 +14,12 @@ from typing import Any
 
 import msgspec
 
+from kvpush.backend.plugins import Backends, get_backends
 from kvpush.engine.outcomes import Outcomes
 from kvpush.engine.steps import Produce, Progress
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
-from kvpush.plugins import Backends, get_backends
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta

@@ -59,7 +59,7 @@ class FakeDeviceCache:
     def __init__(self, kind: str, layers: int, blocks: int, lock_dir: str = "") -> None:
         import torch
 
-        from kvpush.plugins import Backends
+        from kvpush.backend.plugins import Backends
 
         if kind not in KINDS:
             raise ValueError(f"unknown device kind {kind!r}; known: {KINDS}")

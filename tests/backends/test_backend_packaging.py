@@ -43,7 +43,7 @@ def test_backends_import_probe_and_describe_themselves_without_torch():
 def test_loading_every_backend_imports_no_torch():
     result = _python(
         "import sys\n"
-        "from kvpush.plugins import Backends\n"
+        "from kvpush.backend.plugins import Backends\n"
         "Backends().probes()\n"
         "print(sorted(m for m in ('torch', 'torch_neuronx', 'torch_xla') if m in sys.modules))\n"
     )

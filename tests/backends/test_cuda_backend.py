@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
+from kvpush.backend.plugins import Backends
 from kvpush.errors import BackendError, ConfigError, KVPushError
 from kvpush.node import Node, NodeConfig
-from kvpush.plugins import Backends
 
 GPU_DIMS = ("blocks", "kv", "heads", "tokens", "dim")
 NB, H, T, D = 6, 2, 4, 8

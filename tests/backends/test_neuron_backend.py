@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
+from kvpush.backend.plugins import Backends
 from kvpush.errors import BackendError, ConfigError, RegionError
 from kvpush.layout import BlockTable, pairing_split
-from kvpush.plugins import Backends
 from kvpush.regions import MemRegion
 from kvpush_neuron.backend import NEURON_KV_DIMS
 

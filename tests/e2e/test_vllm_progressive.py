@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import DECODE_TIMERS, Client, extra_pair, prompt
 
-from kvpush.kv_params import decode_params
+from kvpush.identities import decode_params, parse_identity
 from kvpush.router.legs import new_transfer_id, prefill_leg
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -71,7 +71,9 @@ def _decode_leg_first(cluster, client: Client, tokens: list[int], head_start: fl
     """Both legs of one request sent by hand, decode's first: prefill gets the prompt
     only once decode has allocated its blocks, and `head_start` seconds later, so the
     grant is waiting before the first chunk ends however fast this machine computes."""
-    identity = client.http.get(cluster.identity_url("chunked_prefill") + "/query").json()
+    identity = parse_identity(
+        client.http.get(cluster.identity_url("chunked_prefill") + "/query").json()
+    )
     transfer_id = new_transfer_id()
     decode_identity = cluster.identity_url("chunked_decode")
     with ThreadPoolExecutor(1) as pool:

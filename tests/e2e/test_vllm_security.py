@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import Client, prompt
 
+from kvpush.backend.plugins import Backends
 from kvpush.errors import KVPushError
 from kvpush.node import Node, NodeConfig
-from kvpush.plugins import Backends
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -39,7 +39,7 @@ def compute_layers(backends: Any, kv: Any, tensors: dict[str, torch.Tensor], see
 def producer(queue: Any, done: Any, staged: bool, seed: int) -> None:
     import msgspec
 
-    from kvpush.plugins import Backends
+    from kvpush.backend.plugins import Backends
 
     torch.cuda.set_device(0)
     backends = Backends(["host", "cuda"])

@@ -18,7 +18,7 @@ from gpu_peer import BLOCK_MAJOR, BLOCKS, DIM, DST, HEADS, LAYERS, SRC, TOKENS  
 
 @pytest.fixture
 def backends():
-    from kvpush.plugins import Backends
+    from kvpush.backend.plugins import Backends
     from kvpush_cuda import runtime
 
     runtime.set_runtime(None)  # the real torch.cuda, whatever another test installed

@@ -12,8 +12,8 @@ import time
 import msgspec
 import numpy as np
 
+from kvpush.backend.plugins import get_backends
 from kvpush.layout import BlockTable, KVLayout
-from kvpush.plugins import get_backends
 from kvpush.transport.agent import NixlAgent
 
 

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "backends"))
 import kv_devices
 import kvpush_example_backend as example
 
+from kvpush.backend.plugins import Backends
 from kvpush.layout import Shard
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.node.faults import Faults
-from kvpush.plugins import Backends
 from kvpush.protocol.config import ProtocolConfig
 
 GATE = threading.Event()

@@ -6,8 +6,8 @@ import struct
 
 import numpy as np
 
+from kvpush.backend.plugins import Backends
 from kvpush.node import Node, NodeConfig
-from kvpush.plugins import Backends
 
 SECRET = b"the-deployment-secret-0123456789"
 HEADER = struct.Struct("!I")  # the side channel's frame length prefix

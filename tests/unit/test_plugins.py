@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpush.backend.plugins import Backends
 from kvpush.errors import BackendError, BackendNotImplemented, ConfigError
-from kvpush.plugins import Backends
 
 PLUGIN_DIR = Path(__file__).parents[1] / "plugins"
 
@@ -107,7 +107,7 @@ def test_routed_hook_missing_in_backend_is_not_silently_skipped(example_installe
 # tensors do, but are host arrays underneath. Its name sorts before "cuda" on purpose.
 AMD_BACKEND = """
 from kvpush.backend import BackendInfo, DeviceKV, hookimpl, layout_from_views
-from kvpush.host_backend import host_view
+from kvpush.backend.host import host_view
 
 @hookimpl
 def kvpush_backend_info():

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpush.kv_params import decode_params
+from kvpush.identities import decode_params, parse_identity
 from kvpush.ports import free_port
 from kvpush.router.app import Router, RouterConfig
 from kvpush.router.instances import Instance
@@ -463,7 +463,8 @@ async def _paired(
 
     async def prefill_answer(request: web.Request, body: dict) -> web.Response:
         tid = body["kv_transfer_params"]["transfer_id"]
-        params = {**decode_params(tid, prefill), "remote_host": "127.0.0.1", "remote_port": 1}
+        params = {**decode_params(tid, parse_identity(prefill)), "remote_host": "127.0.0.1",
+                  "remote_port": 1}  # fmt: skip
         return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
 
     fakes = [Fake(prefill_answer), *(Fake(decode_answer) for _ in decodes)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpush.identities import InstanceIdentity
 from kvpush.router.legs import decode_leg, prefill_leg
 
 
@@ -29,8 +30,8 @@ def test_prefill_leg_keeps_what_decides_the_prompt_and_drops_what_shapes_the_ans
 
 def test_decode_leg_is_the_clients_request_told_where_its_kv_comes_from():
     body = {"model": "m", "prompt": [[1, 2], [3]], "n": 2, "seed": 7, "min_tokens": 4}
-    identity = {"transfer_mode": "push", "engine_id": "e", "epoch": "x",
-                "addresses": ["h:1"], "tp_size": 1}  # fmt: skip
+    identity = InstanceIdentity(engine_id="e", epoch="x", transfer_mode="push", tp_size=1,
+                                addresses=["h:1"])  # fmt: skip
     leg = decode_leg(body, "xfer-1", identity)
     assert {k: v for k, v in leg.items() if k != "kv_transfer_params"} == body
     assert leg["kv_transfer_params"]["transfer_id"] == "xfer-1"

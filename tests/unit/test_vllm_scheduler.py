@@ -359,7 +359,7 @@ def test_the_boot_a_decode_leg_names_reaches_each_worker_rank():
     prefill.set_handshakes(
         {r: KVPushHandshake(r, 2, f"10.0.0.5:710{r}", f"boot{r}", f"agent-{r}") for r in (0, 1)}
     )
-    assert prefill.identity()["epoch"] == "boot0-boot1"
+    assert prefill.identity().epoch == "boot0-boot1"
     decode = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 2)
     params = _decode_params(
         remote_epoch=prefill.epoch, remote_addresses=["10.0.0.5:7100", "10.0.0.5:7101"]
@@ -469,7 +469,7 @@ def test_the_echo_carries_upstream_nixl_fields_with_upstream_types():
     # remote_host:remote_port is the identity endpoint: it answers who we are.
     query = f"http://{echo['remote_host']}:{echo['remote_port']}/query"
     with urllib.request.urlopen(query, timeout=5) as answer:
-        assert json.loads(answer.read()) == json.loads(json.dumps(prefill.identity()))
+        assert json.loads(answer.read()) == prefill.identity().to_query()
 
 
 def _decode_side(prefill: SchedulerSide) -> SchedulerSide:
