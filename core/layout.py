@@ -24,6 +24,10 @@ counts in pages of the smaller size, and each larger block is that many pages, a
 fixed offsets inside it. Block ids on the wire between two such peers are page ids
 (block b of a side with f pages a block is pages b·f to b·f + f - 1), so a page
 moves by descriptor, with no copy.
+
+One module, past 550 lines: a layout and every mapping between two of them (heads
+across tensor-parallel sizes, pages across block sizes, descriptor rows) share
+their arithmetic, and are tested together exhaustively over small shapes.
 """
 
 from __future__ import annotations

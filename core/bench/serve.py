@@ -27,6 +27,10 @@ Results: JSON lines (results.jsonl, and stdout with --json), a Markdown table
 (table.md) and plots in --out, per placement: ttft-, tpot- (by rate, or bars for
 one rate), where- (mean TTFT split into its spans, a stacked bar per configuration)
 and ttft-cdf-<placement>.png.
+
+One module, past 550 lines: each configuration's deployment (plain, kvpush push and
+pull, upstream's two connectors), both placements, and the cells they fill read in
+the order a run takes them; the load is bench/load.py's, the report bench/report.py's.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ their settled level, are read.
 Out (in `--out`): requests.jsonl (a line per request, then a summary line),
 table.md, faults.log, logs/ (every server's and the router's log); a progress line
 on stderr while it runs.
+
+One module, past 550 lines: the run's phases (warm-up, settling, load with faults,
+quiescence, the verdict) read in the order they run. Faults are bench/faults.py's,
+the load bench/load.py's.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class _NotifWaiter:
         self.expected = 0
         self.received: list[bytes] = []
 
-    def pending(self) -> bool:
+    def busy(self) -> bool:
         return len(self.received) < self.expected
 
     def poll(self) -> bool:
@@ -178,7 +178,7 @@ def _receiver_main(shape: Shape, port_queue: Any, idle_seconds: float) -> None:
             side.send(kind="ready")
         elif message["kind"] == "check":
             deadline = time.monotonic() + 30
-            while waiter.pending() and time.monotonic() < deadline:
+            while waiter.busy() and time.monotonic() < deadline:
                 time.sleep(0.0005)
             side.send(kind="checked", ok=_verify(side.buf, shape, message["blocks"]))
         elif message["kind"] == "bye":

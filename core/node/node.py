@@ -446,7 +446,7 @@ class Node:
             # Whatever raised, the timers that end stuck transfers keep running.
             self._reschedule()
 
-    def pending(self) -> bool:
+    def busy(self) -> bool:
         # Also while a peer may be moving bytes into or out of our memory: some transports
         # (UCX over TCP) complete one-sided operations only when the target calls NIXL.
         assert self.data is not None

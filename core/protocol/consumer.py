@@ -11,6 +11,10 @@ its KV heads from several producer ranks: the transfer has a part per producer
 (its records are keyed (transfer id, peer)). It is delivered once every part is;
 a part that fails gives up the others, and the transfer fails once none can still
 write into its blocks.
+
+One module, past 550 lines, because it is one machine: every handler next to the
+moves it makes, so that each state's ways out can be read in one place (the
+TRANSITIONS table is the index).
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ is in their claims). Each claim is a record of its own, keyed (transfer id, peer
 the records of one transfer id form its family, which the engine's events reach
 all at once, and whose source blocks go back once, when the last record ends and
 no claim the consumers announced is still to come.
+
+One module, past 550 lines, because it is one machine: every event handler beside
+the moves it makes (TRANSITIONS is the index), in the order a transfer meets them:
+engine reports, claims, WRITEs and grants, heartbeats and timers, and the end.
+Splitting it by mode would put one state's ways out in two places.
 """
 
 from __future__ import annotations
@@ -938,10 +943,6 @@ class Producer:
     def holding(self) -> list[str]:
         """Transfers whose KV blocks the producer still holds."""
         return sorted({t.transfer_id for t in self._transfers.values() if t.kv_blocks is not None})
-
-    def claimed(self) -> int:
-        """How many live claims consumers have made (registered, or asked to read)."""
-        return sum(1 for t in self._transfers.values() if t.peer is not None)
 
     def state_of(self, transfer_id: str, peer: str | None = None) -> State | None:
         """The state of `peer`'s claim on the transfer (None: the unclaimed record; a

@@ -5,6 +5,11 @@ legs at once (push) or prefill first (pull). The decode leg's answer, streamed o
 not, is the client's answer. A failed leg cancels the other and gives the client an
 OpenAI-style error; a client that goes away cancels both, which makes vLLM abort
 them, which makes kvpush free their blocks.
+
+One module, past 550 lines: the request path reads top to bottom, from the handler
+through both legs to the error the client gets. The parts that stand alone live
+beside it: instances.py (pools, pairing) and legs.py (what each leg is sent, and the
+OpenAI-style errors).
 """
 
 from __future__ import annotations

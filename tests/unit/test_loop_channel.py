@@ -26,7 +26,7 @@ class CountingPoller:
         self.target = 0  # reached is set once polls gets here
         self.reached = threading.Event()
 
-    def pending(self) -> bool:
+    def busy(self) -> bool:
         return self.polls < self.pending_rounds
 
     def poll(self) -> bool:
