@@ -198,7 +198,7 @@ class SchedulerSide:
             return 0, False
         self._admit_decode(request, params)  # if vLLM did not call on_new_request
         prompt_len = len(request.prompt_token_ids or ())
-        match = self.ledger.matched(request.request_id, prompt_len, num_computed_tokens)
+        match = self.ledger.decode.matched(request.request_id, prompt_len, num_computed_tokens)
         if match.local:
             params["do_remote_prefill"] = False
         return match.tokens, match.load_async
@@ -210,7 +210,7 @@ class SchedulerSide:
         # One transfer per request: a retry under "recompute" computes locally.
         params["do_remote_prefill"] = False
         request_id = request.request_id
-        if self.ledger.allocated(request_id, blocks.get_block_ids()[0], num_external_tokens):
+        if self.ledger.decode.allocated(request_id, blocks.get_block_ids()[0], num_external_tokens):
             self.spans.mark(request_id, "allocated")
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
@@ -221,10 +221,10 @@ class SchedulerSide:
         self.spans.scheduled(scheduled)
         computed = {
             request_id: self._computed_after(scheduler_output, request_id)
-            for request_id in self.ledger.prefills
+            for request_id in self.ledger.prefill.legs
             if request_id in scheduled
         }
-        for request_id, milestone in self.ledger.step_scheduled(computed):
+        for request_id, milestone in self.ledger.prefill.step_scheduled(computed):
             self.spans.mark(request_id, milestone)
         meta = KVPushMetadata.of(self.ledger.take_plan())
         meta.doorbell = self.idle.doorbell.port
@@ -247,7 +247,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         request_id = request.request_id
         self._ids.forget(request_id)
-        is_prefill = request_id in self.ledger.prefills
+        is_prefill = request_id in self.ledger.prefill.legs
         finish = self.ledger.finished(request_id, sendable=_status(request) in _SENDABLE)
         if not is_prefill:
             self.spans.mark(request_id, "finished")
@@ -276,11 +276,11 @@ class SchedulerSide:
                 self.spans.mark(request_id, milestone, wall)
         for request_id in output.finished_sending or ():
             self.spans.mark(request_id, "released")
-        self.ledger.released(output.finished_sending or ())
+        self.ledger.prefill.released(output.finished_sending or ())
         failed = getattr(output, "failed_recving", None) or ()
         for request_id in output.finished_recving or ():
             self.spans.mark(request_id, "reported")
-            loaded = self.ledger.loaded(request_id, failed=request_id in failed)
+            loaded = self.ledger.decode.loaded(request_id, failed=request_id in failed)
             if request_id not in failed:
                 self.spans.mark(request_id, "landed")  # if no worker stamped it
                 continue
@@ -317,11 +317,11 @@ class SchedulerSide:
                 request_id,
                 base,
             )
-            self.ledger.prefill_declined(request_id)
+            self.ledger.prefill.declined(request_id)
             return
         tid, _ = self._ids.assign(request, base)
         prompt_len = len(request.prompt_token_ids or ())
-        self.ledger.prefill_arrived(request_id, tid, base, prompt_len, named_here)
+        self.ledger.prefill.arrived(request_id, tid, base, prompt_len, named_here)
         self.spans.begin(request_id, "prefill", base)
 
     def _name_transfer(self, request_id: str) -> str:
@@ -367,12 +367,12 @@ class SchedulerSide:
         if found is not None:
             reason, problem = found
             tid = str(params.get("transfer_id", ""))
-            self.ledger.decode_rejected(request_id, tid, problem, learnt_from)
+            self.ledger.decode.rejected(request_id, tid, problem, learnt_from)
             self.counts["refused"][reason] += 1
             self.spans.begin(request_id, "decode", tid)
             self.spans.fail(request_id, f"{reason}: {problem}")
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
-            if self.ledger.recompute_on_failure:
+            if self.ledger.decode.recompute_on_failure:
                 self._recomputed(reason)
             return
         tid, leader = self._ids.assign(
@@ -382,11 +382,11 @@ class SchedulerSide:
             # The sibling may have finished already (vLLM adds n's choices one by one,
             # and under load far apart): prefill made no copy for this one under n,
             # so it must not wait for one.
-            failed = self.ledger.decode_follows(request_id, tid, leader, _announce(tid, params))
+            failed = self.ledger.decode.follows(request_id, tid, leader, _announce(tid, params))
             if failed:
                 self.spans.fail(request_id, f"sibling_failed: {failed}")
             return
-        self.ledger.decode_announced(request_id, tid, _announce(tid, params), learnt_from)
+        self.ledger.decode.announced(request_id, tid, _announce(tid, params), learnt_from)
         self.spans.begin(request_id, "decode", params["transfer_id"])
 
     def _learn_producer(self, request_id: str, params: dict[str, Any]) -> str | None:
@@ -411,25 +411,25 @@ class SchedulerSide:
 
     def _preempted(self, request_id: str) -> None:
         """vLLM took a producing request's blocks back, to compute it again later."""
-        if self.ledger.preempted(request_id):
+        if self.ledger.prefill.preempted(request_id):
             log.warning(
                 "kvpush: prefill request %s was preempted while its KV was being sent; "
                 "transfer %s ends without it",
                 request_id,
-                self.ledger.prefills[request_id].transfer_id,
+                self.ledger.prefill.legs[request_id].transfer_id,
             )
 
     def _track_prefill_blocks(self, out: Any) -> None:
         for new in out.scheduled_new_reqs:
-            if new.req_id in self.ledger.prefills:
-                self.ledger.blocks_assigned(new.req_id, new.block_ids[0], resumed=True)
+            if new.req_id in self.ledger.prefill.legs:
+                self.ledger.prefill.blocks_assigned(new.req_id, new.block_ids[0], resumed=True)
         cached = out.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            if request_id not in self.ledger.prefills or new_blocks is None:
+            if request_id not in self.ledger.prefill.legs or new_blocks is None:
                 continue
             resumed = request_id in cached.resumed_req_ids
-            self.ledger.blocks_assigned(request_id, new_blocks[0], resumed)
+            self.ledger.prefill.blocks_assigned(request_id, new_blocks[0], resumed)
 
     def _computed_after(self, out: Any, request_id: str) -> int:
         """How many of the request's tokens have KV once this step has run (prefix-cache

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from protocol_sim import PRODUCER, Sim
 
-from kvpush.engine.ledger import DecodeState, Ledger
+from kvpush.engine.decode import DecodeState
+from kvpush.engine.ledger import Ledger
 from kvpush.engine.outcomes import Outcomes
 from kvpush.engine.steps import Announce, StepPlan
 from kvpush.protocol.consumer import Source
@@ -49,8 +50,8 @@ class Request:
 class Engines:
     def __init__(self, mode: str = "push", progressive: bool = True) -> None:
         self.sim = Sim(mode=mode, producer_blocks=512, consumer_blocks=512, engine_frees=True)
-        self.prefill = Ledger(BLOCK, progressive=progressive)
-        self.decode = Ledger(BLOCK)
+        self.p_requests = Ledger(BLOCK, progressive=progressive)  # the prefill engine's
+        self.d_requests = Ledger(BLOCK)  # the decode engine's
         self.p_out, self.d_out = Outcomes(), Outcomes()
         self.requests: dict[int, Request] = {}
         self.loads: dict[str, bool] = {}  # decode request -> its load failed
@@ -67,8 +68,8 @@ class Engines:
     def prefill_arrives(self, r: Request) -> None:
         if r.prefill == "new":
             r.prefill = "running"
-            self.prefill.prefill_arrived(r.p_id, r.tid, r.tid, r.prompt_len, named_here=False)
-            self._apply_prefill(self.prefill.take_plan())
+            self.p_requests.prefill.arrived(r.p_id, r.tid, r.tid, r.prompt_len, named_here=False)
+            self._apply_prefill(self.p_requests.take_plan())
 
     def prefill_step(self, r: Request, tokens: int) -> None:
         if r.prefill != "running" or r.computed >= r.prompt_len:
@@ -79,16 +80,16 @@ class Engines:
         if more > 0:
             ids = self.sim.p_ledger.alloc(r.tid, more)
             self.sim.p_blocks.setdefault(r.tid, []).extend(ids)
-            self.prefill.blocks_assigned(r.p_id, ids, resumed=False)
-        self.prefill.step_scheduled({r.p_id: r.computed})
-        self._apply_prefill(self.prefill.take_plan())
+            self.p_requests.prefill.blocks_assigned(r.p_id, ids, resumed=False)
+        self.p_requests.prefill.step_scheduled({r.p_id: r.computed})
+        self._apply_prefill(self.p_requests.take_plan())
 
     def prefill_finishes(self, r: Request, sendable: bool = True) -> None:
         if r.prefill != "running":
             return
         r.prefill = "finished"
-        finish = self.prefill.finished(r.p_id, sendable and r.computed >= r.prompt_len)
-        self._apply_prefill(self.prefill.take_plan())
+        finish = self.p_requests.finished(r.p_id, sendable and r.computed >= r.prompt_len)
+        self._apply_prefill(self.p_requests.take_plan())
         if finish.keep_blocks:
             self.p_out.engine_finished({r.p_id})
         elif r.tid in self.sim.p_ledger.live:
@@ -119,28 +120,28 @@ class Engines:
     def decode_arrives(self, r: Request) -> None:
         if r.decode == "new":
             r.decode = "queued"
-            self.decode.decode_announced(r.d_id, r.tid, Announce(r.tid, (PRODUCER,)))
-            self._apply_decode(self.decode.take_plan())
+            self.d_requests.decode.announced(r.d_id, r.tid, Announce(r.tid, (PRODUCER,)))
+            self._apply_decode(self.d_requests.take_plan())
 
     def decode_allocates(self, r: Request) -> None:
         if r.decode != "queued":
             return
-        match = self.decode.matched(r.d_id, r.prompt_len, r.local_tokens)
+        match = self.d_requests.decode.matched(r.d_id, r.prompt_len, r.local_tokens)
         if match.tokens is None:
             return
         r.decode = "allocated"
         if match.tokens:
             ids = self.sim.c.ledger.alloc(r.tid, -(-r.prompt_len // BLOCK))
-            self.decode.allocated(r.d_id, ids, match.tokens)
-        self._apply_decode(self.decode.take_plan())
+            self.d_requests.decode.allocated(r.d_id, ids, match.tokens)
+        self._apply_decode(self.d_requests.take_plan())
 
     def decode_finishes(self, r: Request) -> None:
         """The request ends: after its load (it ran), or aborted at any time."""
         if r.decode in ("new", "finished"):
             return
         r.decode = "finished"
-        self.decode.finished(r.d_id)
-        self._apply_decode(self.decode.take_plan())
+        self.d_requests.finished(r.d_id)
+        self._apply_decode(self.d_requests.take_plan())
 
     def _apply_decode(self, plan: StepPlan) -> None:
         sim, side = self.sim, self.sim.c
@@ -174,12 +175,12 @@ class Engines:
                 self._ended_seen.add(tid)
                 self.d_out.received(tid, ok)
         sending, _, _ = self.p_out.take()
-        for request_id in self.prefill.released(sending):
+        for request_id in self.p_requests.prefill.released(sending):
             self.sim.p_ledger.release(self.prefill_tid(request_id))
         _, recving, failed = self.d_out.take()
         for request_id in recving:
             self.loads[request_id] = request_id in failed
-            self.decode.loaded(request_id, failed=request_id in failed)
+            self.d_requests.decode.loaded(request_id, failed=request_id in failed)
 
     @staticmethod
     def prefill_tid(request_id: str) -> str:
@@ -223,18 +224,18 @@ class Engines:
     def check(self) -> None:
         problems = []
         stuck = [r.d_id for r in self.requests.values()
-                 if self.decode.decodes.get(r.d_id, None) is not None]  # fmt: skip
+                 if self.d_requests.decode.legs.get(r.d_id, None) is not None]  # fmt: skip
         if stuck:
             problems.append(f"decode ledger still holds {stuck}")
-        if self.prefill.prefills:
-            problems.append(f"prefill ledger still holds {sorted(self.prefill.prefills)}")
-        if any(self.decode.counts().values()) or any(self.prefill.counts().values()):
-            problems.append(f"counts {self.prefill.counts()} / {self.decode.counts()}")
+        if self.p_requests.prefill.legs:
+            problems.append(f"prefill ledger still holds {sorted(self.p_requests.prefill.legs)}")
+        if any(self.d_requests.counts().values()) or any(self.p_requests.counts().values()):
+            problems.append(f"counts {self.p_requests.counts()} / {self.d_requests.counts()}")
         assert not problems, "\n".join(problems)
         self.sim.check()
 
     def landed(self, r: Request) -> bool:
-        leg = self.decode.decodes.get(r.d_id)
+        leg = self.d_requests.decode.legs.get(r.d_id)
         return (leg is not None and leg.state == DecodeState.LANDED) or (
             self.loads.get(r.d_id) is False
         )

@@ -6,14 +6,10 @@ import pathlib
 
 import pytest
 
-from kvpush.engine.ledger import (
-    DECODE_TRANSITIONS,
-    PREFILL_TRANSITIONS,
-    DecodeState,
-    Ledger,
-    PrefillState,
-)
+from kvpush.engine.decode import DECODE_TRANSITIONS, DecodeState
+from kvpush.engine.ledger import Ledger
 from kvpush.engine.outcomes import Outcomes
+from kvpush.engine.prefill import PREFILL_TRANSITIONS, PrefillState
 from kvpush.engine.steps import Announce, Expect, Pending, Produce, Progress
 from kvpush.errors import ProtocolError
 
@@ -23,23 +19,23 @@ ANNOUNCE = Announce("t1", ("10.0.0.5:7100",), "engine-p", ("b0",))
 
 
 def _decode(ledger: Ledger, request_id: str = "d1", tid: str = "t1") -> None:
-    ledger.decode_announced(request_id, tid, Announce(tid, ANNOUNCE.producers, "engine-p"))
+    ledger.decode.announced(request_id, tid, Announce(tid, ANNOUNCE.producers, "engine-p"))
 
 
 def test_a_decode_leg_claims_the_blocks_after_its_cached_prefix_and_lands():
     ledger = Ledger(BLOCK)
     _decode(ledger)
     assert ledger.take_plan().announces == [Announce("t1", ANNOUNCE.producers, "engine-p")]
-    match = ledger.matched("d1", prompt_len=100, computed=32)
+    match = ledger.decode.matched("d1", prompt_len=100, computed=32)
     assert (match.tokens, match.load_async, match.local) == (68, True, False)
-    assert ledger.allocated("d1", list(range(10, 17)), external_tokens=68)
+    assert ledger.decode.allocated("d1", list(range(10, 17)), external_tokens=68)
     plan = ledger.take_plan()
     # Tokens 32..99 are blocks 2..6 of the request's seven.
     assert plan.expects == [Expect("d1", "t1", ANNOUNCE.producers, (12, 13, 14, 15, 16), 2,
                                    "engine-p")]  # fmt: skip
     assert ledger.counts()["receiving"] == 1 and ledger.waiting_on_transfers()
-    ledger.loaded("d1", failed=False)
-    assert ledger.decodes["d1"].state == DecodeState.LANDED
+    ledger.decode.loaded("d1", failed=False)
+    assert ledger.decode.legs["d1"].state == DecodeState.LANDED
     assert ledger.counts() == {"sending": 0, "producing": 0, "receiving": 0}
     assert not ledger.finished("d1").keep_blocks and not ledger.knows("d1")
     assert not ledger.take_plan().carries_work()  # landed: nothing to abort
@@ -49,10 +45,10 @@ def test_a_decode_leg_cached_whole_here_lets_the_producer_free_its_copy():
     ledger = Ledger(BLOCK)
     _decode(ledger)
     ledger.take_plan()
-    match = ledger.matched("d1", prompt_len=64, computed=64)
+    match = ledger.decode.matched("d1", prompt_len=64, computed=64)
     assert (match.tokens, match.local) == (0, True)
     assert ledger.take_plan().aborts == ["t1"]
-    assert not ledger.allocated("d1", [1, 2, 3, 4], external_tokens=0)
+    assert not ledger.decode.allocated("d1", [1, 2, 3, 4], external_tokens=0)
 
 
 @pytest.mark.parametrize("claimed", [False, True])
@@ -60,8 +56,8 @@ def test_a_decode_leg_aborted_before_its_kv_arrived_ends_its_transfer(claimed):
     ledger = Ledger(BLOCK)
     _decode(ledger)
     if claimed:
-        ledger.matched("d1", 40, 0)
-        ledger.allocated("d1", [5, 6, 7], 40)
+        ledger.decode.matched("d1", 40, 0)
+        ledger.decode.allocated("d1", [5, 6, 7], 40)
     ledger.take_plan()
     ledger.finished("d1")
     assert ledger.take_plan().aborts == ["t1"]
@@ -70,19 +66,19 @@ def test_a_decode_leg_aborted_before_its_kv_arrived_ends_its_transfer(claimed):
 
 def test_a_rejected_leg_fails_when_allocated_with_its_reason():
     ledger = Ledger(BLOCK)
-    ledger.decode_rejected("d1", "t1", "transfer mode mismatch")
-    assert ledger.matched("d1", 40, 40).tokens == 1  # always something to fail
-    assert not ledger.allocated("d1", [1, 2, 3], 40)
+    ledger.decode.rejected("d1", "t1", "transfer mode mismatch")
+    assert ledger.decode.matched("d1", 40, 40).tokens == 1  # always something to fail
+    assert not ledger.decode.allocated("d1", [1, 2, 3], 40)
     assert ledger.take_plan().rejects == [("d1", "transfer mode mismatch")]
-    ledger.loaded("d1", failed=True)
-    assert ledger.decodes["d1"].state == DecodeState.FAILED
+    ledger.decode.loaded("d1", failed=True)
+    assert ledger.decode.legs["d1"].state == DecodeState.FAILED
 
 
 def _leader_and_follower(ledger: Ledger) -> None:
     _decode(ledger, "0_d")
-    ledger.matched("0_d", 40, 0)
-    ledger.allocated("0_d", [1, 2, 3], 40)
-    assert not ledger.decode_follows("1_d", "t1.1", "0_d", Announce("t1.1", ("p:1",)))
+    ledger.decode.matched("0_d", 40, 0)
+    ledger.decode.allocated("0_d", [1, 2, 3], 40)
+    assert not ledger.decode.follows("1_d", "t1.1", "0_d", Announce("t1.1", ("p:1",)))
 
 
 def test_a_follower_waits_for_its_siblings_kv_then_reads_the_prefix_cache():
@@ -90,49 +86,49 @@ def test_a_follower_waits_for_its_siblings_kv_then_reads_the_prefix_cache():
     _leader_and_follower(ledger)
     plan = ledger.take_plan()
     assert "t1.1" in plan.aborts  # whatever the producer made for it goes at once
-    assert ledger.matched("1_d", 40, 0).tokens is None  # ask again later
-    ledger.loaded("0_d", failed=False)
-    assert ledger.matched("1_d", 40, 40).local
+    assert ledger.decode.matched("1_d", 40, 0).tokens is None  # ask again later
+    ledger.decode.loaded("0_d", failed=False)
+    assert ledger.decode.matched("1_d", 40, 40).local
 
 
 def test_under_the_fail_policy_a_failed_load_fails_its_followers_too():
     ledger = Ledger(BLOCK, recompute_on_failure=False)
     _leader_and_follower(ledger)
-    loaded = ledger.loaded("0_d", failed=True)
+    loaded = ledger.decode.loaded("0_d", failed=True)
     assert [r for r, _ in loaded.followers_failed] == ["1_d"]
-    assert ledger.decodes["1_d"].state == DecodeState.REJECTED
-    assert "0_d" in ledger.problem("1_d")
+    assert ledger.decode.legs["1_d"].state == DecodeState.REJECTED
+    assert "0_d" in ledger.decode.problem("1_d")
     # A sibling arriving after the failure fails at once.
-    assert "0_d" in ledger.decode_follows("2_d", "t1.2", "0_d", Announce("t1.2", ("p:1",)))
+    assert "0_d" in ledger.decode.follows("2_d", "t1.2", "0_d", Announce("t1.2", ("p:1",)))
 
 
 def test_under_the_recompute_policy_followers_compute_the_prompt():
     ledger = Ledger(BLOCK, recompute_on_failure=True)
     _leader_and_follower(ledger)
-    loaded = ledger.loaded("0_d", failed=True)
+    loaded = ledger.decode.loaded("0_d", failed=True)
     assert loaded.recomputed and not loaded.followers_failed
-    assert ledger.matched("1_d", 40, 0).local
+    assert ledger.decode.matched("1_d", 40, 0).local
 
 
 def _prefill(ledger: Ledger, prompt_len: int = 40) -> None:
-    ledger.prefill_arrived("p1", "t1", "base", prompt_len, named_here=False)
-    ledger.blocks_assigned("p1", [7, 8, 9], resumed=True)
+    ledger.prefill.arrived("p1", "t1", "base", prompt_len, named_here=False)
+    ledger.prefill.blocks_assigned("p1", [7, 8, 9], resumed=True)
 
 
 def test_a_prefill_leg_is_handed_over_chunk_by_chunk_then_held_until_released():
     ledger = Ledger(BLOCK, progressive=True)
     _prefill(ledger)
     assert ledger.take_plan().pending == [Pending("t1")]
-    marks = ledger.step_scheduled({"p1": 20})
+    marks = ledger.prefill.step_scheduled({"p1": 20})
     assert marks == [("p1", "computing")]
     assert ledger.take_plan().progress == [Progress("p1", "t1", (7, 8, 9), 1)]
-    assert ledger.step_scheduled({"p1": 40}) == [("p1", "computing"), ("p1", "last_step")]
+    assert ledger.prefill.step_scheduled({"p1": 40}) == [("p1", "computing"), ("p1", "last_step")]
     assert ledger.take_plan().produces == [Produce("p1", "t1", (7, 8, 9))]
-    assert ledger.step_scheduled({"p1": 41}) == []  # decoding its one token: nothing more
+    assert ledger.prefill.step_scheduled({"p1": 41}) == []  # decoding its one token: nothing more
     finish = ledger.finished("p1", sendable=True)
     assert finish.keep_blocks and finish.echo is not None and finish.echo.transfer_id == "t1"
     assert ledger.counts() == {"sending": 1, "producing": 0, "receiving": 0}
-    assert ledger.released(["p1", "other"]) == ["p1"] and not ledger.knows("p1")
+    assert ledger.prefill.released(["p1", "other"]) == ["p1"] and not ledger.knows("p1")
 
 
 def test_a_prefill_finished_before_any_step_frees_at_once():
@@ -146,11 +142,11 @@ def test_a_prefill_finished_before_any_step_frees_at_once():
 def test_a_prefill_preempted_once_its_kv_was_handed_over_is_spoiled():
     ledger = Ledger(BLOCK)
     _prefill(ledger)
-    ledger.step_scheduled({"p1": 40})
+    ledger.prefill.step_scheduled({"p1": 40})
     ledger.take_plan()
-    assert ledger.preempted("p1")
+    assert ledger.prefill.preempted("p1")
     assert ledger.take_plan().aborts == ["t1"]
-    assert ledger.step_scheduled({"p1": 40}) == []  # recomputed: nothing sent again
+    assert ledger.prefill.step_scheduled({"p1": 40}) == []  # recomputed: nothing sent again
     finish = ledger.finished("p1", sendable=True)
     assert finish.keep_blocks and finish.echo is None  # a WRITE may still read them
 
@@ -158,18 +154,18 @@ def test_a_prefill_preempted_once_its_kv_was_handed_over_is_spoiled():
 def test_a_prefill_preempted_before_any_hand_over_just_resumes():
     ledger = Ledger(BLOCK, progressive=False)
     _prefill(ledger)
-    ledger.step_scheduled({"p1": 16})
-    assert not ledger.preempted("p1")
-    assert ledger.prefills["p1"].state == PrefillState.ADMITTED
-    ledger.blocks_assigned("p1", [3, 4, 5], resumed=True)
-    ledger.step_scheduled({"p1": 40})
+    ledger.prefill.step_scheduled({"p1": 16})
+    assert not ledger.prefill.preempted("p1")
+    assert ledger.prefill.legs["p1"].state == PrefillState.ADMITTED
+    ledger.prefill.blocks_assigned("p1", [3, 4, 5], resumed=True)
+    ledger.prefill.step_scheduled({"p1": 40})
     assert ledger.take_plan().produces == [Produce("p1", "t1", (3, 4, 5))]
 
 
 def test_a_prefill_that_ends_unsendable_still_waits_for_the_producer():
     ledger = Ledger(BLOCK)
     _prefill(ledger)
-    ledger.step_scheduled({"p1": 40})
+    ledger.prefill.step_scheduled({"p1": 40})
     ledger.take_plan()
     finish = ledger.finished("p1", sendable=False)  # aborted in its last step
     assert finish.keep_blocks
@@ -179,8 +175,8 @@ def test_a_prefill_that_ends_unsendable_still_waits_for_the_producer():
 def test_a_move_the_table_does_not_allow_fails_naming_the_request():
     ledger = Ledger(BLOCK)
     _decode(ledger)
-    ledger.loaded("d1", failed=False)  # never claimed: not a landing
-    leg = ledger.decodes["d1"]
+    ledger.decode.loaded("d1", failed=False)  # never claimed: not a landing
+    leg = ledger.decode.legs["d1"]
     assert leg.state == DecodeState.ANNOUNCED
     with pytest.raises(ProtocolError, match=r"t1.*announced.*landed"):
         DECODE_TRANSITIONS.move(leg, DecodeState.LANDED)
@@ -189,7 +185,7 @@ def test_a_move_the_table_does_not_allow_fails_naming_the_request():
 def test_docs_show_the_tables_the_code_enforces():
     text = DOCS.read_text()
     for name, table in (("decode", DECODE_TRANSITIONS), ("prefill", PREFILL_TRANSITIONS)):
-        marker = f"<!-- {name}-leg-transitions: rendered from kvpush.engine.ledger -->"
+        marker = f"<!-- {name}-leg-transitions: rendered from kvpush.engine.{name} -->"
         assert marker in text
         assert text.split(marker, 1)[1].lstrip().startswith(table.markdown())
 

@@ -1,0 +1,224 @@
+"""A decode leg's part of the request ledger (kvpush.engine.ledger): this engine
+loads a prompt's KV that another computes, claiming the blocks it allocated."""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpush.engine.steps import Announce, Expect, StepPlan
+from kvpush.protocol.states import TransitionTable
+
+# Decode requests whose load failed, kept past their end (n's choices may arrive
+# after their sibling finished): the last few thousand.
+FAILED_LOADS_KEPT = 4096
+
+
+class DecodeState(enum.StrEnum):
+    ANNOUNCED = "announced"  # arrived; its producer was told to keep the KV alive
+    LOADING = "loading"  # blocks allocated and claimed: the KV is on its way
+    LANDED = "landed"  # the KV is in its blocks; the engine runs it
+    FAILED = "failed"  # the load failed (reported to the engine, per its policy)
+    REJECTED = "rejected"  # its leg cannot be served: fails when the engine allocates it
+    FOLLOWER = "follower"  # a sibling of the same prompt loads the KV; this one waits
+    LOCAL = "local"  # nothing to load: its prompt is cached or computed here
+
+
+D = DecodeState
+DECODE_TRANSITIONS: TransitionTable[DecodeState] = TransitionTable(
+    "decode leg",
+    {
+        D.ANNOUNCED: {D.LOADING, D.LOCAL},
+        D.LOADING: {D.LANDED, D.FAILED},
+        D.REJECTED: {D.FAILED},
+        D.FOLLOWER: {D.LOCAL, D.REJECTED},
+        D.LANDED: set(),
+        D.FAILED: set(),
+        D.LOCAL: set(),
+    },
+)
+
+
+@dataclass
+class DecodeLeg:
+    request_id: str
+    transfer_id: str
+    state: DecodeState
+    announce: Announce | None = None  # whom to claim from (None: rejected, follower)
+    local_tokens: int = 0  # prompt tokens the engine had cached when it matched
+    leader: str = ""  # a follower's sibling that loads the prompt
+    problem: str = ""  # why a rejected leg cannot be served
+    learnt_from: str = ""  # the endpoint its producer was learnt from, if any
+
+
+@dataclass(frozen=True)
+class Match:
+    """The ledger's answer to "how many prompt tokens come from elsewhere".
+
+    `tokens` None: ask again later. `local`: the request has nothing to load after
+    all; the engine should treat it as an ordinary request from now on.
+    """
+
+    tokens: int | None
+    load_async: bool = False
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a decode leg's load outcome means beyond its own state."""
+
+    recomputed: bool = False  # the engine computes the prompt instead (counted)
+    forget_endpoint: str = ""  # an endpoint that named a producer whose KV failed
+    followers_failed: tuple[tuple[str, str], ...] = ()  # (request id, why), fail policy
+
+
+class DecodeLegs:
+    """The decode legs this engine loads, by request id."""
+
+    def __init__(
+        self, block_size: int, prefix_caching: bool = True, recompute_on_failure: bool = False
+    ) -> None:
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.recompute_on_failure = recompute_on_failure
+        self.legs: dict[str, DecodeLeg] = {}
+        self._failed_loads: OrderedDict[str, None] = OrderedDict()
+        self.plan = StepPlan()  # the Ledger's, for this step
+
+    def announced(
+        self, request_id: str, transfer_id: str, announce: Announce, learnt_from: str = ""
+    ) -> None:
+        """A decode leg arrived naming its producer: keep that KV alive from now on, not
+        from when the request reaches the head of a queue that may be long."""
+        self.legs[request_id] = DecodeLeg(
+            request_id, transfer_id, D.ANNOUNCED, announce, learnt_from=learnt_from
+        )
+        self.plan.announces.append(announce)
+
+    def rejected(
+        self, request_id: str, transfer_id: str, problem: str, learnt_from: str = ""
+    ) -> None:
+        """A decode leg kvpush cannot serve: its load fails once the engine allocates it."""
+        self.legs[request_id] = DecodeLeg(
+            request_id, transfer_id, D.REJECTED, problem=problem, learnt_from=learnt_from
+        )
+
+    def follows(self, request_id: str, transfer_id: str, leader: str, announce: Announce) -> str:
+        """A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
+        once; this one reads it from the prefix cache. Should the producer have made a
+        copy for this one too, it lets it go at once. Returns the problem if it fails
+        at once (its sibling's load failed already, under the fail policy), else ""."""
+        leg = DecodeLeg(request_id, transfer_id, D.FOLLOWER, leader=leader)
+        self.legs[request_id] = leg
+        self.plan.announces.append(announce)
+        self.plan.aborts.append(transfer_id)
+        if leader in self._failed_loads:
+            return self._sibling_failed(leg)
+        return ""
+
+    def matched(self, request_id: str, prompt_len: int, computed: int) -> Match:
+        """How many of a decode leg's prompt tokens its KV load brings, with `computed`
+        of them cached here already."""
+        leg = self.legs.get(request_id)
+        if leg is None:
+            return Match(None)
+        count = prompt_len - computed
+        if leg.state == D.REJECTED:
+            return Match(max(count, 1), load_async=True)  # fails at once, per the policy
+        if leg.state == D.FOLLOWER:
+            leader = self.legs.get(leg.leader)
+            if self.prefix_caching and leader is not None and leader.state in (
+                D.ANNOUNCED, D.LOADING
+            ):  # fmt: skip
+                return Match(None)  # again once its sibling's KV is in the prefix cache
+            DECODE_TRANSITIONS.move(leg, D.LOCAL)
+            return Match(0, local=True)
+        if leg.state != D.ANNOUNCED:
+            return Match(0)
+        if count <= 0:
+            # Everything is cached here already: let the producer free its copy now.
+            self.plan.aborts.append(leg.transfer_id)
+            DECODE_TRANSITIONS.move(leg, D.LOCAL)
+            return Match(0, local=True)
+        leg.local_tokens = computed
+        return Match(count, load_async=True)
+
+    def allocated(self, request_id: str, block_ids: Sequence[int], external_tokens: int) -> bool:
+        """The engine allocated a decode leg's blocks (`block_ids`, the whole request's)
+        for `external_tokens` to load after its cached ones. True if they are claimed
+        from the producer (False: nothing to load, or the leg fails at once)."""
+        leg = self.legs.get(request_id)
+        if leg is None or external_tokens <= 0:
+            return False
+        if leg.state == D.REJECTED:
+            self.plan.rejects.append((request_id, leg.problem))
+            return False
+        if leg.state != D.ANNOUNCED or leg.announce is None:
+            return False
+        first = leg.local_tokens // self.block_size
+        last = -(-(leg.local_tokens + external_tokens) // self.block_size)
+        DECODE_TRANSITIONS.move(leg, D.LOADING)
+        named = leg.announce
+        self.plan.expects.append(
+            Expect(request_id, leg.transfer_id, named.producers, tuple(block_ids[first:last]),
+                   first, named.engine, named.epochs)
+        )  # fmt: skip
+        return True
+
+    def loaded(self, request_id: str, failed: bool) -> Loaded:
+        """The workers report a decode leg's load done: landed, or failed. A failed
+        load is remembered past the request's end, for siblings still to come."""
+        leg = self.legs.get(request_id)
+        if not failed:
+            if leg is not None and leg.state == D.LOADING:
+                DECODE_TRANSITIONS.move(leg, D.LANDED)
+            return Loaded()
+        recomputed, endpoint = False, ""
+        if leg is not None and leg.state in (D.LOADING, D.REJECTED):
+            recomputed = leg.state == D.LOADING and self.recompute_on_failure
+            endpoint = leg.learnt_from
+            DECODE_TRANSITIONS.move(leg, D.FAILED)
+        self._failed_loads[request_id] = None
+        while len(self._failed_loads) > FAILED_LOADS_KEPT:
+            self._failed_loads.popitem(last=False)
+        followers = [
+            f for f in self.legs.values() if f.state == D.FOLLOWER and f.leader == request_id
+        ]
+        failed_too = [(f.request_id, self._sibling_failed(f)) for f in followers]
+        return Loaded(recomputed, endpoint, tuple((r, why) for r, why in failed_too if why))
+
+    def problem(self, request_id: str) -> str:
+        leg = self.legs.get(request_id)
+        return leg.problem if leg is not None else ""
+
+    def _sibling_failed(self, follower: DecodeLeg) -> str:
+        """The sibling bringing this prompt's KV failed to load it. Under the fail
+        policy this one fails too: computing the prompt here is what the policy
+        refuses (and on vLLM's CPU build, a seeded prompt computed in chunks kills the
+        engine). Under recompute it computes the prompt here, as its sibling will."""
+        if self.recompute_on_failure:
+            return ""
+        DECODE_TRANSITIONS.move(follower, D.REJECTED)
+        follower.problem = (
+            f"its sibling {follower.leader} (same prompt, n > 1 or a repeated list prompt) "
+            "failed to load the prompt's KV, and kv_load_failure_policy is fail"
+        )
+        return follower.problem
+
+    def finished(self, request_id: str) -> None:
+        """The engine finished the request."""
+        leg = self.legs.pop(request_id, None)
+        if leg is not None and leg.state in (D.ANNOUNCED, D.LOADING):
+            # Aborted while queued, or before its KV arrived: the workers settle the
+            # transfer, and a producer stops keeping the KV alive for it.
+            self.plan.aborts.append(leg.transfer_id)
+
+    def receiving(self) -> int:
+        return sum(leg.state == D.LOADING for leg in self.legs.values())
+
+    def waiting(self) -> bool:
+        """Whether a leg waits for a transfer: its own load, or its sibling's."""
+        return any(leg.state in (D.LOADING, D.FOLLOWER) for leg in self.legs.values())

@@ -1,0 +1,176 @@
+"""A prefill leg's part of the request ledger (kvpush.engine.ledger): this engine
+computes a prompt's KV for another, and hands it over chunk by chunk or at its last
+step; its blocks stay out of the engine's pool while a WRITE may read them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvpush.engine.steps import Pending, Produce, Progress, StepPlan
+from kvpush.protocol.states import TransitionTable
+
+
+class PrefillState(enum.StrEnum):
+    ADMITTED = "admitted"  # taken in; its transfer is pending on the workers
+    COMPUTING = "computing"  # a step computes its prompt; no WRITE reads its blocks yet
+    PROGRESSING = "progressing"  # an earlier chunk's complete blocks were handed over
+    SENDING = "sending"  # the step computing its last prompt token was scheduled
+    SPOILED = "spoiled"  # preempted after a WRITE could read its blocks
+    HELD = "held"  # finished; its blocks are kept until the producer lets go
+    DECLINED = "declined"  # its leg named an invalid transfer id: nothing is sent
+    RELEASED = "released"  # the engine may reuse its blocks
+
+
+P = PrefillState
+PREFILL_TRANSITIONS: TransitionTable[PrefillState] = TransitionTable(
+    "prefill leg",
+    {
+        P.ADMITTED: {P.COMPUTING, P.RELEASED},
+        P.COMPUTING: {P.PROGRESSING, P.SENDING, P.ADMITTED, P.RELEASED},
+        P.PROGRESSING: {P.SENDING, P.SPOILED, P.HELD},
+        P.SENDING: {P.SPOILED, P.HELD},
+        P.SPOILED: {P.HELD},
+        P.HELD: {P.RELEASED},
+        P.DECLINED: set(),
+        P.RELEASED: set(),
+    },
+)
+
+
+@dataclass
+class PrefillLeg:
+    request_id: str
+    transfer_id: str  # this engine request's own (kvpush.vllm.transfers)
+    base_id: str  # the router's, echoed to it
+    prompt_len: int
+    state: PrefillState = PrefillState.ADMITTED
+    named_here: bool = False  # the leg brought no transfer id: the engine named it
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The ledger's answer when the engine finishes a request: whether to keep its
+    blocks until the workers release them, and the prefill leg to echo, if any."""
+
+    keep_blocks: bool
+    echo: PrefillLeg | None = None
+
+
+class PrefillLegs:
+    """The prefill legs this engine computes, by request id."""
+
+    def __init__(self, block_size: int, progressive: bool = True) -> None:
+        self.block_size = block_size
+        self.progressive = progressive
+        self.legs: dict[str, PrefillLeg] = {}
+        self.plan = StepPlan()  # the Ledger's, for this step
+
+    def arrived(
+        self, request_id: str, transfer_id: str, base_id: str, prompt_len: int, named_here: bool
+    ) -> None:
+        self.legs[request_id] = PrefillLeg(
+            request_id, transfer_id, base_id, prompt_len, named_here=named_here
+        )
+        self.plan.pending.append(Pending(transfer_id, sequential=named_here))
+
+    def declined(self, request_id: str) -> None:
+        self.legs[request_id] = PrefillLeg(request_id, "", "", 0, P.DECLINED)
+
+    def blocks_assigned(self, request_id: str, block_ids: Sequence[int], resumed: bool) -> None:
+        """The engine gave a prefill leg blocks: new ones appended, or, resumed after a
+        preemption, its whole list anew."""
+        leg = self.legs.get(request_id)
+        if leg is None or leg.state == P.DECLINED:
+            return
+        if resumed:
+            leg.block_ids = list(block_ids)
+        else:
+            leg.block_ids.extend(block_ids)
+
+    def step_scheduled(self, computed_after: Mapping[str, int]) -> list[tuple[str, str]]:
+        """A step was scheduled; `computed_after` holds, for each request it computes,
+        how many tokens have KV once it ran. Returns (request id, milestone) pairs
+        for tracing: "computing", "last_step"."""
+        milestones: list[tuple[str, str]] = []
+        for request_id, leg in self.legs.items():
+            if leg.state not in (P.ADMITTED, P.COMPUTING, P.PROGRESSING):
+                continue
+            computed = computed_after.get(request_id)
+            if computed is None:
+                continue
+            if leg.state == P.ADMITTED:
+                PREFILL_TRANSITIONS.move(leg, P.COMPUTING)
+            milestones.append((request_id, "computing"))
+            blocks = tuple(leg.block_ids)
+            if computed >= leg.prompt_len:
+                PREFILL_TRANSITIONS.move(leg, P.SENDING)
+                milestones.append((request_id, "last_step"))
+                self.plan.produces.append(Produce(request_id, leg.transfer_id, blocks))
+            elif self.progressive:
+                if leg.state == P.COMPUTING:
+                    PREFILL_TRANSITIONS.move(leg, P.PROGRESSING)
+                full = computed // self.block_size
+                self.plan.progress.append(Progress(request_id, leg.transfer_id, blocks, full))
+        return milestones
+
+    def preempted(self, request_id: str) -> bool:
+        """The engine took a prefill leg's blocks back to compute it again later.
+        True if a WRITE may have been reading them: its transfer ends (decode fails
+        the load, per its policy) and nothing more is sent for it."""
+        leg = self.legs.get(request_id)
+        if leg is None:
+            return False
+        if leg.state == P.COMPUTING:
+            PREFILL_TRANSITIONS.move(leg, P.ADMITTED)  # resuming re-reads them
+            return False
+        if leg.state not in (P.PROGRESSING, P.SENDING):
+            return False
+        PREFILL_TRANSITIONS.move(leg, P.SPOILED)
+        self.plan.aborts.append(leg.transfer_id)
+        return True
+
+    def finished(self, leg: PrefillLeg, sendable: bool) -> Finish:
+        """The engine finished the request (`sendable`: it stopped or hit its length,
+        so its KV is complete)."""
+        if leg.state == P.DECLINED:
+            del self.legs[leg.request_id]
+            return Finish(False)
+        if leg.state in (P.ADMITTED, P.COMPUTING):
+            # No step of it was handed over: no WRITE can read these blocks.
+            self.plan.aborts.append(leg.transfer_id)
+            PREFILL_TRANSITIONS.move(leg, P.RELEASED)
+            del self.legs[leg.request_id]
+            return Finish(False)
+        if leg.state in (P.SPOILED, P.PROGRESSING):
+            # Ended at a preemption (its transfer already ended), or aborted between
+            # chunks: a chunk's WRITE may still read the blocks. Keep them until the
+            # producer lets go, and name nothing for decode to claim.
+            if leg.state == P.PROGRESSING:
+                self.plan.aborts.append(leg.transfer_id)
+            PREFILL_TRANSITIONS.move(leg, P.HELD)
+            return Finish(True)
+        if not sendable:
+            # A WRITE may be reading the blocks: free them only when the producer says so.
+            self.plan.aborts.append(leg.transfer_id)
+        PREFILL_TRANSITIONS.move(leg, P.HELD)
+        return Finish(True, echo=leg)
+
+    def released(self, request_ids: Iterable[str]) -> list[str]:
+        """The workers let these prefill legs' blocks go; those it held, in order."""
+        done = []
+        for request_id in request_ids:
+            leg = self.legs.get(request_id)
+            if leg is not None and leg.state == P.HELD:
+                PREFILL_TRANSITIONS.move(leg, P.RELEASED)
+                del self.legs[request_id]
+                done.append(request_id)
+        return done
+
+    def counts(self) -> tuple[int, int]:
+        """(held, producing): legs whose blocks wait for the producer, and the rest."""
+        held = sum(leg.state == P.HELD for leg in self.legs.values())
+        declined = sum(leg.state == P.DECLINED for leg in self.legs.values())
+        return held, len(self.legs) - held - declined
