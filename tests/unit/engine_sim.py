@@ -33,6 +33,7 @@ class Request:
     computed: int = 0  # prefill's progress
     prefill: str = "new"  # new, running, finished
     decode: str = "new"  # new, queued, allocated, finished
+    follows: int | None = None  # n > 1: the request whose load brings this prompt
 
     @property
     def tid(self) -> str:
@@ -55,11 +56,18 @@ class Engines:
         self.p_out, self.d_out = Outcomes(), Outcomes()
         self.requests: dict[int, Request] = {}
         self.loads: dict[str, bool] = {}  # decode request -> its load failed
+        self.ended_as: dict[str, str] = {}  # decode request -> its leg's state at its end
         self._released_seen: set[str] = set()
         self._ended_seen: set[str] = set()
 
-    def add(self, index: int, prompt_len: int, local_tokens: int) -> Request:
-        request = Request(index, prompt_len, local_tokens)
+    def add(
+        self, index: int, prompt_len: int, local_tokens: int, follows: int | None = None
+    ) -> Request:
+        """A request; one that `follows` another is its sibling under n > 1: no prefill
+        leg of its own, and on decode it reads what its sibling loads."""
+        request = Request(index, prompt_len, local_tokens, follows=follows)
+        if follows is not None:
+            request.prefill = "finished"
         self.requests[index] = request
         return request
 
@@ -118,10 +126,16 @@ class Engines:
     # -- the decode engine --------------------------------------------------------------
 
     def decode_arrives(self, r: Request) -> None:
-        if r.decode == "new":
-            r.decode = "queued"
-            self.d_requests.decode.announced(r.d_id, r.tid, Announce(r.tid, (PRODUCER,)))
-            self._apply_decode(self.d_requests.take_plan())
+        if r.decode != "new":
+            return
+        r.decode = "queued"
+        announce = Announce(r.tid, (PRODUCER,))
+        if r.follows is None:
+            self.d_requests.decode.announced(r.d_id, r.tid, announce)
+        else:
+            leader = self.requests[r.follows]
+            self.d_requests.decode.follows(r.d_id, r.tid, leader.d_id, announce)
+        self._apply_decode(self.d_requests.take_plan())
 
     def decode_allocates(self, r: Request) -> None:
         if r.decode != "queued":
@@ -132,7 +146,8 @@ class Engines:
         r.decode = "allocated"
         if match.tokens:
             ids = self.sim.c.ledger.alloc(r.tid, -(-r.prompt_len // BLOCK))
-            self.d_requests.decode.allocated(r.d_id, ids, match.tokens)
+            if not self.d_requests.decode.allocated(r.d_id, ids, match.tokens):
+                self.sim.c.ledger.release(r.tid)  # fails at once: vLLM frees them on the report
         self._apply_decode(self.d_requests.take_plan())
 
     def decode_finishes(self, r: Request) -> None:
@@ -140,6 +155,8 @@ class Engines:
         if r.decode in ("new", "finished"):
             return
         r.decode = "finished"
+        leg = self.d_requests.decode.legs.get(r.d_id)
+        self.ended_as[r.d_id] = str(leg.state) if leg is not None else "unknown"
         self.d_requests.finished(r.d_id)
         self._apply_decode(self.d_requests.take_plan())
 
@@ -198,7 +215,7 @@ class Engines:
             self.prefill_step(r, 2 * BLOCK)
         elif r.prefill == "running":
             self.prefill_finishes(r)
-        elif r.d_id in self.loads or self.landed(r):
+        elif r.d_id in self.loads or self.landed(r) or r.follows is not None:
             self.decode_finishes(r)
 
     # -- the end ------------------------------------------------------------------------

@@ -50,7 +50,8 @@ def test_a_decode_aborted_while_prefill_computes_frees_both_sides():
 
 
 requests = st.lists(
-    st.tuples(st.integers(1, 6), st.integers(0, 6)),  # prompt blocks, local blocks
+    # prompt blocks, local blocks, and whether it is the previous request's sibling
+    st.tuples(st.integers(1, 6), st.integers(0, 6), st.booleans()),
     min_size=1,
     max_size=4,
 )
@@ -82,9 +83,13 @@ event = st.one_of(
 )
 def test_random_request_lifecycles_leave_nothing_held_or_waiting(mode, progressive, shapes, events):
     engines = Engines(mode=mode, progressive=progressive)
-    for index, (blocks, local) in enumerate(shapes):
+    for index, (blocks, local, sibling) in enumerate(shapes):
         prompt = blocks * BLOCK - (index % 3)  # not always a whole number of blocks
-        engines.add(index, prompt, min(local * BLOCK, prompt))
+        leader = engines.requests.get(index - 1) if sibling else None
+        if leader is not None and leader.follows is None:
+            engines.add(index, leader.prompt_len, 0, follows=leader.index)
+        else:
+            engines.add(index, prompt, min(local * BLOCK, prompt))
     for ev in events:
         kind = ev[0]
         r = engines.requests[ev[1] % len(shapes)] if kind[:2] in ("p_", "d_", "ne") else None
@@ -131,4 +136,7 @@ def test_random_request_lifecycles_leave_nothing_held_or_waiting(mode, progressi
     engines.drain()
     outcomes = {engines.landed(r) for r in engines.requests.values()}
     label(f"outcomes after the drain: {sorted(outcomes)}")
+    for r in engines.requests.values():
+        if r.follows is not None:
+            label(f"a follower ended {engines.ended_as.get(r.d_id)}")
     engines.check()
