@@ -115,9 +115,8 @@ def test_the_streaming_client_times_the_second_token_even_when_it_shares_a_chunk
         app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
         try:
             return await load.run(load.Target(f"http://127.0.0.1:{port}"), [[9]], [0.0], 3)
         finally:
