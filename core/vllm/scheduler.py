@@ -2,8 +2,10 @@
 
 It runs in vLLM's engine-core process. It never moves bytes: each step it tells the
 workers, through KVPushMetadata, which transfers to claim (decode), which KV will
-be complete at the end of the step (prefill), and which to abandon. It also serves
-this instance's kvpush identity to routers.
+be complete at the end of the step (prefill), and which to abandon. What to tell
+them the request ledger decides (kvpush.engine, docs/engine.md); this module reads
+vLLM's objects into the ledger's events, and starts this instance's identity
+endpoints (kvpush.vllm.identity).
 
 kv_transfer_params, the two-leg contract (docs/routing.md):
   prefill leg   {"do_remote_decode": true, "transfer_id": T}
