@@ -377,6 +377,24 @@ def bound_reader_spin(spin_s: float, executor_side: bool) -> bool:
     for spin in spins:
         spin.busy_loop_s = spin_s
     RECORD.attached("reader_spin")
+    if not executor_side:
+        warn_spinloop_extension()
+    return True
+
+
+def warn_spinloop_extension() -> bool:
+    """Say so when vLLM's spin-loop extension is on (vLLM 0.33, VLLM_USE_SPINLOOP_EXT):
+    a reader then spins on the queue's flags before each wait, outside the reader-spin
+    bound and parking. True if it is on."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if not getattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", False):
+        return False
+    log.warning(
+        "kvpush: vLLM's spin-loop extension is on (VLLM_USE_SPINLOOP_EXT): each worker "
+        "spins before every wait for a step, outside reader_spin_s and park_workers, so "
+        "waiting workers keep a core busy; unset it on P/D instances whose cores are shared"
+    )
     return True
 
 

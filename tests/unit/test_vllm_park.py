@@ -200,6 +200,18 @@ def test_a_bounded_reader_sleeps_between_steps_where_vllms_spins(queue):
     assert bounded < 0.05 and spinning > 4 * bounded, (spinning, bounded)
 
 
+def test_vllms_spin_loop_extension_is_named_where_the_bound_cannot_reach(
+    queue, monkeypatch, caplog
+):
+    _, reader = queue
+    monkeypatch.setattr(hooks, "RECORD", hooks.Record())
+    assert _WorkerLoop(reader).bound_spin(0.002) is True
+    assert "spin-loop extension" not in caplog.text
+    monkeypatch.setattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", True, raising=False)
+    assert _WorkerLoop(reader).bound_spin(0.002) is True
+    assert "VLLM_USE_SPINLOOP_EXT" in caplog.text
+
+
 def test_the_engine_process_bounds_its_workers_result_queues(queue):
     _, reader = queue
     assert _EngineReading([reader]).build_scheduler(0.002) is True
