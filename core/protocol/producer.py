@@ -944,6 +944,10 @@ class Producer:
         """Transfers whose KV blocks the producer still holds."""
         return sorted({t.transfer_id for t in self._transfers.values() if t.kv_blocks is not None})
 
+    def claimed(self) -> int:
+        """How many live claims consumers have made (registered, or asked to read)."""
+        return sum(1 for t in self._transfers.values() if t.peer is not None)
+
     def state_of(self, transfer_id: str, peer: str | None = None) -> State | None:
         """The state of `peer`'s claim on the transfer (None: the unclaimed record; a
         transfer claimed by one consumer alone answers for it too)."""
