@@ -24,6 +24,7 @@ class PrefillState(enum.StrEnum):
 
 
 P = PrefillState
+_COMPUTING = (P.ADMITTED, P.COMPUTING, P.PROGRESSING)
 PREFILL_TRANSITIONS: TransitionTable[PrefillState] = TransitionTable(
     "prefill leg",
     {
@@ -90,13 +91,17 @@ class PrefillLegs:
         else:
             leg.block_ids.extend(block_ids)
 
+    def still_computing(self) -> list[str]:
+        """The legs whose prompt a step may still compute: the ones step_scheduled reads."""
+        return [r for r, leg in self.legs.items() if leg.state in _COMPUTING]
+
     def step_scheduled(self, computed_after: Mapping[str, int]) -> list[tuple[str, str]]:
         """A step was scheduled; `computed_after` holds, for each request it computes,
         how many tokens have KV once it ran. Returns (request id, milestone) pairs
         for tracing: "computing", "last_step"."""
         milestones: list[tuple[str, str]] = []
         for request_id, leg in self.legs.items():
-            if leg.state not in (P.ADMITTED, P.COMPUTING, P.PROGRESSING):
+            if leg.state not in _COMPUTING:
                 continue
             computed = computed_after.get(request_id)
             if computed is None:

@@ -221,9 +221,10 @@ class SchedulerSide:
         self._track_prefill_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         self.spans.scheduled(scheduled)
+        # Only legs still computing: a sent or held one is not looked up every step.
         computed = {
             request_id: self._computed_after(scheduler_output, request_id)
-            for request_id in self.ledger.prefill.legs
+            for request_id in self.ledger.prefill.still_computing()
             if request_id in scheduled
         }
         for request_id, milestone in self.ledger.prefill.step_scheduled(computed):
