@@ -58,6 +58,7 @@ class InstanceIdentity(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str = ""  # host:port of its identity endpoint
     block_size: int = 0  # tokens per block (0: not said)
     block_pages: bool = True  # a peer of another block size may take its blocks as pages
+    kv_groups: int = 1  # KV cache groups a transfer carries (hybrid models)
     dp_rank: int = 0
     data_parallel: bool = False
     ranks: list[RankIdentity] = []
@@ -154,6 +155,7 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
         "tp_size": identity.tp_size,
         "remote_block_size": identity.block_size,
         "remote_block_pages": identity.block_pages,
+        "remote_kv_groups": identity.kv_groups,
         "remote_dp_rank": identity.dp_rank,
         "remote_data_parallel": identity.data_parallel,
     }
@@ -162,7 +164,7 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
 def prefill_echo(
     transfer_id: str,
     identity: InstanceIdentity,
-    block_ids: Sequence[int],
+    groups: Sequence[Sequence[int]],
     request_id: str,
     num_tokens: int,
     engine_transfer_id: str = "",
@@ -177,7 +179,7 @@ def prefill_echo(
     host, _, port = identity.endpoint.rpartition(":")
     return {
         **decode_params(transfer_id, identity),
-        "remote_block_ids": [[int(b) for b in block_ids]],  # one list per KV cache group
+        "remote_block_ids": [[int(b) for b in group] for group in groups],
         "remote_request_id": request_id,
         "remote_host": host,
         "remote_port": int(port),
@@ -200,6 +202,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> InstanceIdentity | No
         "tp_size": params.get("tp_size"),
         "block_size": params.get("remote_block_size", 0),
         "block_pages": params.get("remote_block_pages", True),
+        "kv_groups": params.get("remote_kv_groups", 1),
         "dp_rank": params.get("remote_dp_rank", 0),
         "data_parallel": params.get("remote_data_parallel", False),
     }

@@ -25,6 +25,14 @@ fixed offsets inside it. Block ids on the wire between two such peers are page i
 (block b of a side with f pages a block is pages b·f to b·f + f - 1), so a page
 moves by descriptor, with no copy.
 
+A hybrid model's KV cache groups (vLLM's hybrid manager: full-attention and
+sliding-window layers) overlay the same memory: a layer of each group shares each
+region, and a block id belongs to one group at a time. So a pair of block ids of
+any group moves correctly through every region, and a transfer carries one list
+whose position i holds `groups` ids, one per group (`interleave`). A position a
+sliding window has left is padded with vLLM's null block (`null_block`): a pair
+with it on either side moves nothing.
+
 One module, past 550 lines: a layout and every mapping between two of them (heads
 across tensor-parallel sizes, pages across block sizes, descriptor rows) share
 their arithmetic, and are tested together exhaustively over small shapes.
@@ -33,6 +41,7 @@ their arithmetic, and are tested together exhaustively over small shapes.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -183,6 +192,8 @@ class KVLayout(msgspec.Struct, frozen=True):
     inner: str
     layer_names: tuple[str, ...] = ()
     shard: Shard = Shard()
+    groups: int = 1  # KV cache groups overlaid on the regions (hybrid models)
+    null_block: int = -1  # the id that stands for no block (-1: every id is one)
 
     def __post_init__(self) -> None:
         check_layout(self)
@@ -213,6 +224,45 @@ class Unit(NamedTuple):
     page_stride: int = 0
 
 
+def groups_problem(src: KVLayout, dst: KVLayout) -> str | None:
+    """Why two layouts' KV cache groups cannot pair, or None: block lists interleave
+    one id per group, so both sides must have as many, and a position is one block
+    on both (equal block sizes)."""
+    if src.groups != dst.groups:
+        return (
+            f"KV layouts differ in KV cache groups: the producer has {src.groups}, the "
+            f"consumer {dst.groups} (another model, or vLLM's hybrid KV cache manager on "
+            "one side only)"
+        )
+    if src.groups > 1 and src.tokens_per_block != dst.tokens_per_block:
+        return (
+            f"KV layouts differ in tokens_per_block (producer {src.tokens_per_block}, "
+            f"consumer {dst.tokens_per_block}) with {src.groups} KV cache groups: "
+            "hybrid models pair at equal block sizes only"
+        )
+    return None
+
+
+def interleave(groups: Sequence[Sequence[int]]) -> list[int]:
+    """One block list for a transfer from one list per KV cache group (equal lengths):
+    position i's ids, group by group."""
+    lengths = {len(group) for group in groups}
+    if len(lengths) > 1:
+        raise RegionError(f"KV cache groups hold different block counts: {sorted(lengths)}")
+    return [block for position in zip(*groups, strict=True) for block in position]
+
+
+def moving_pairs(
+    src: Sequence[int], dst: Sequence[int], src_null: int, dst_null: int
+) -> tuple[list[int], list[int]]:
+    """The pairs of `src` and `dst` that move bytes: not those where either side is
+    its layout's null block (a position outside a sliding window)."""
+    if src_null < 0 and dst_null < 0:
+        return list(src), list(dst)
+    pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != src_null and d != dst_null]
+    return [s for s, _ in pairs], [d for _, d in pairs]
+
+
 def check_layout(layout: KVLayout) -> None:
     if not layout.regions:
         raise RegionError("a KV layout needs at least one memory region")
@@ -225,6 +275,8 @@ def check_layout(layout: KVLayout) -> None:
         raise RegionError(f"tokens_per_block must be > 0, got {layout.tokens_per_block}")
     if not layout.layers:
         raise RegionError("a KV layout needs at least one layer")
+    if layout.groups < 1:
+        raise RegionError(f"groups must be >= 1, got {layout.groups}")
     if layout.layer_names and len(layout.layer_names) != len(layout.layers):
         raise RegionError("layer_names must name every layer, or be empty")
     for index, runs in enumerate(layout.layers):
@@ -338,7 +390,9 @@ def plan(src: KVLayout, dst: KVLayout) -> tuple[list[Unit], list[Unit]]:
     exists.
     """
     a, b = src.shard, dst.shard
-    problem = block_size_problem(src.tokens_per_block, dst.tokens_per_block)
+    problem = groups_problem(src, dst) or block_size_problem(
+        src.tokens_per_block, dst.tokens_per_block
+    )
     if problem:
         raise RegionError(problem)
     if a.heads != b.heads:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpush.engine.steps import Announce, Expect, StepPlan
+from kvpush.layout import interleave
 from kvpush.protocol.states import TransitionTable
 
 # Decode requests whose load failed, kept past their end (n's choices may arrive
@@ -146,10 +147,13 @@ class DecodeLegs:
         leg.local_tokens = computed
         return Match(count, load_async=True)
 
-    def allocated(self, request_id: str, block_ids: Sequence[int], external_tokens: int) -> bool:
-        """The engine allocated a decode leg's blocks (`block_ids`, the whole request's)
-        for `external_tokens` to load after its cached ones. True if they are claimed
-        from the producer (False: nothing to load, or the leg fails at once)."""
+    def allocated(
+        self, request_id: str, groups: Sequence[Sequence[int]], external_tokens: int
+    ) -> bool:
+        """The engine allocated a decode leg's blocks (the whole request's, one list per
+        KV cache group) for `external_tokens` to load after its cached ones. True if
+        they are claimed from the producer (False: nothing to load, or the leg fails
+        at once)."""
         leg = self.legs.get(request_id)
         if leg is None or external_tokens <= 0:
             return False
@@ -162,9 +166,10 @@ class DecodeLegs:
         last = -(-(leg.local_tokens + external_tokens) // self.block_size)
         DECODE_TRANSITIONS.move(leg, D.LOADING)
         named = leg.announce
+        blocks = tuple(interleave([group[first:last] for group in groups]))
         self.plan.expects.append(
-            Expect(request_id, leg.transfer_id, named.producers, tuple(block_ids[first:last]),
-                   first, named.engine, named.epochs)
+            Expect(request_id, leg.transfer_id, named.producers, blocks, first * len(groups),
+                   named.engine, named.epochs)
         )  # fmt: skip
         return True
 

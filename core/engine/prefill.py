@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpush.engine.steps import Pending, Produce, Progress, StepPlan
+from kvpush.layout import interleave
 from kvpush.protocol.states import TransitionTable
 
 
@@ -48,7 +49,7 @@ class PrefillLeg:
     prompt_len: int
     state: PrefillState = PrefillState.ADMITTED
     named_here: bool = False  # the leg brought no transfer id: the engine named it
-    block_ids: list[int] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)  # block ids, per KV cache group
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,19 @@ class PrefillLegs:
     def declined(self, request_id: str) -> None:
         self.legs[request_id] = PrefillLeg(request_id, "", "", 0, P.DECLINED)
 
-    def blocks_assigned(self, request_id: str, block_ids: Sequence[int], resumed: bool) -> None:
-        """The engine gave a prefill leg blocks: new ones appended, or, resumed after a
-        preemption, its whole list anew."""
+    def blocks_assigned(
+        self, request_id: str, groups: Sequence[Sequence[int]], resumed: bool
+    ) -> None:
+        """The engine gave a prefill leg blocks (one list per KV cache group): new ones
+        appended, or, resumed after a preemption, its whole lists anew."""
         leg = self.legs.get(request_id)
         if leg is None or leg.state == P.DECLINED:
             return
-        if resumed:
-            leg.block_ids = list(block_ids)
+        if resumed or not leg.groups:
+            leg.groups = [list(group) for group in groups]
         else:
-            leg.block_ids.extend(block_ids)
+            for mine, new in zip(leg.groups, groups, strict=True):
+                mine.extend(new)
 
     def still_computing(self) -> list[str]:
         """The legs whose prompt a step may still compute: the ones step_scheduled reads."""
@@ -109,7 +113,7 @@ class PrefillLegs:
             if leg.state == P.ADMITTED:
                 PREFILL_TRANSITIONS.move(leg, P.COMPUTING)
             milestones.append((request_id, "computing"))
-            blocks = tuple(leg.block_ids)
+            blocks = tuple(interleave(leg.groups))
             if computed >= leg.prompt_len:
                 PREFILL_TRANSITIONS.move(leg, P.SENDING)
                 milestones.append((request_id, "last_step"))
@@ -117,7 +121,7 @@ class PrefillLegs:
             elif self.progressive:
                 if leg.state == P.COMPUTING:
                     PREFILL_TRANSITIONS.move(leg, P.PROGRESSING)
-                full = computed // self.block_size
+                full = computed // self.block_size * len(leg.groups)
                 self.plan.progress.append(Progress(request_id, leg.transfer_id, blocks, full))
         return milestones
 

@@ -1,5 +1,9 @@
 """What the scheduler tells its workers each step: plain records, pickled into every
-worker process every step."""
+worker process every step.
+
+A record's `block_ids` is one list for all KV cache groups: position i's block of
+each group in turn (kvpush.layout.interleave), so counts of blocks (`skip_blocks`,
+`full_blocks`) count entries of that list."""
 
 from __future__ import annotations
 

@@ -110,8 +110,9 @@ class Node:
         self.wall = wall
         self.loop = Loop(f"kvpush-{config.engine_id}-r{config.rank}")
         tokens = kv.layout.tokens_per_block
-        self.producer = Producer(config.protocol, len(kv.layout.layers), tokens)
-        self.consumer = Consumer(config.protocol, kv.layout.digest(), tokens)
+        null = kv.layout.null_block
+        self.producer = Producer(config.protocol, len(kv.layout.layers), tokens, null)
+        self.consumer = Consumer(config.protocol, kv.layout.digest(), tokens, null)
         # Made on the loop thread, which owns NIXL:
         self.agent: NixlAgent | None = None
         self.data: DataPath | None = None

@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from kvpush.errors import ProtocolError
-from kvpush.layout import KVLayout, page_factors, to_pages
+from kvpush.layout import KVLayout, moving_pairs, page_factors, to_pages
 from kvpush.protocol.actions import (
     Action,
     Connect,
@@ -155,12 +155,17 @@ class Consumer:
     """All transfers of one decode worker rank."""
 
     def __init__(
-        self, config: ProtocolConfig, layout_digest: str, block_tokens: int | None = None
+        self,
+        config: ProtocolConfig,
+        layout_digest: str,
+        block_tokens: int | None = None,
+        null_block: int = -1,
     ) -> None:
         self.config = config
         self.layout_digest = layout_digest
         # Tokens per block of our KV cache (None: as every peer's, as in models of one).
         self.block_tokens = block_tokens
+        self.null_block = null_block  # our layout's (kvpush.layout.moving_pairs)
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[Key, _Transfer] = {}
         self._requests: dict[str, _Request] = {}
@@ -579,8 +584,13 @@ class Consumer:
             return [release] + self._fail(transfer, now, reason, detail)
         TRANSITIONS.move(transfer, State.READING)
         self._deadlines.cancel(("watchdog", _key(transfer)))
-        local = self._pages(transfer)[: len(remote)]
-        return [PostRead(transfer.transfer_id, transfer.peer, local, remote)]
+        producer = self._peers[transfer.peer].layout
+        assert producer is not None
+        # Never empty: the last position is inside every window, on both sides.
+        theirs, ours = moving_pairs(
+            remote, self._pages(transfer)[: len(remote)], producer.null_block, self.null_block
+        )
+        return [PostRead(transfer.transfer_id, transfer.peer, ours, theirs)]
 
     def _factors(self, transfer: _Transfer) -> tuple[int, int]:
         """Pages per block, ours and the producer's: with different block sizes a pair
@@ -606,6 +616,8 @@ class Consumer:
         bad = [b for b in remote if b >= count]
         if bad:
             return f"granted block ids {bad[:8]} outside the producer's {count}"
+        if remote and remote[-1] == producer.null_block:
+            return "the last granted block is the null block"
         return ""
 
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:

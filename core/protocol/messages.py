@@ -105,9 +105,11 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     """Push: the consumer's destination blocks for a transfer.
 
     `skip_blocks` leading blocks of the producer's KV are already on the consumer
-    (prefix cache) and are not written; `block_ids[g]` are the destinations in
-    cache group g, in order. `parts`: how many consumer ranks claim this transfer
-    from this producer rank (1 unless the two sides' tensor-parallel sizes differ).
+    (prefix cache) and are not written; `block_ids[0]` are the destinations, in
+    order (a hybrid model's KV cache groups interleaved: kvpush.layout.interleave;
+    the outer list is kept one long). `parts`: how many consumer ranks claim this
+    transfer from this producer rank (1 unless the two sides' tensor-parallel sizes
+    differ).
     """
 
     transfer_id: str

@@ -34,7 +34,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvpush.layout import KVLayout, blocks_of, page_factors, to_pages
+from kvpush.layout import KVLayout, blocks_of, moving_pairs, page_factors, to_pages
 from kvpush.protocol.actions import (
     Action,
     ChunkSent,
@@ -186,12 +186,17 @@ class Producer:
     """All transfers of one prefill worker rank."""
 
     def __init__(
-        self, config: ProtocolConfig, num_layers: int = 1, block_tokens: int | None = None
+        self,
+        config: ProtocolConfig,
+        num_layers: int = 1,
+        block_tokens: int | None = None,
+        null_block: int = -1,
     ) -> None:
         self.config = config
         self.num_layers = num_layers
         # Tokens per block of our KV cache (None: as every peer's, as in models of one).
         self.block_tokens = block_tokens
+        self.null_block = null_block  # our layout's (kvpush.layout.moving_pairs)
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[Key, _Transfer] = {}
         self._families: dict[str, _Family] = {}
@@ -598,8 +603,11 @@ class Producer:
         if bad:
             what = "block" if pages == 1 else f"page ({pages} a block)"
             return f"{what} ids {bad[:8]} out of range: the consumer has {count}"
-        if len(set(message.block_ids[0])) != len(message.block_ids[0]):
+        real = [b for b in message.block_ids[0] if b != consumer.layout.null_block]
+        if len(set(real)) != len(real):
             return "a destination block appears twice"
+        if message.block_ids[0] and message.block_ids[0][-1] == consumer.layout.null_block:
+            return "the last destination is the null block (no window leaves the prompt's end)"
         return None
 
     def _factors(self, peer: str) -> tuple[int, int]:
@@ -656,13 +664,15 @@ class Producer:
             return []
         TRANSITIONS.move(transfer, State.WRITING)
         transfer.writing_upto = transfer.layers_ready
+        # Never empty: the last position is inside every window, on both sides.
+        src, dst = self._moving(transfer, sources[start : len(destinations)], destinations[start:])
         return self._post(
             transfer,
             PostWrite(
                 transfer.transfer_id,
                 transfer.peer,
-                sources[start : len(destinations)],
-                destinations[start:],
+                src,
+                dst,
                 encode_notif(transfer.transfer_id, transfer.kv_ready_wall) if all_ready else b"",
                 (transfer.layers_written, transfer.layers_ready),
             ),
@@ -680,21 +690,33 @@ class Producer:
         upto = min(transfer.blocks_ready * ours - transfer.skip_blocks, len(destinations))
         if upto <= transfer.blocks_written:
             return []
-        TRANSITIONS.move(transfer, State.WRITING)
-        transfer.writing_blocks = upto
         start = transfer.blocks_written
         last = upto == len(destinations)
+        src, dst = self._moving(transfer, sources[start:upto], destinations[start:upto])
+        if not src:
+            transfer.blocks_written = upto  # positions a sliding window left: no bytes
+            return []
+        TRANSITIONS.move(transfer, State.WRITING)
+        transfer.writing_blocks = upto
         return self._post(
             transfer,
             PostWrite(
                 transfer.transfer_id,
                 transfer.peer,
-                sources[start:upto],
-                destinations[start:upto],
+                src,
+                dst,
                 encode_notif(transfer.transfer_id, 0.0) if last else b"",
                 (0, self.num_layers),
             ),
         )
+
+    def _moving(
+        self, transfer: _Transfer, sources: list[int], destinations: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """The pairs that move bytes (not a null block on either side)."""
+        assert transfer.peer is not None
+        theirs = self._peers[transfer.peer].layout.null_block
+        return moving_pairs(sources, destinations, self.null_block, theirs)
 
     def _post(self, transfer: _Transfer, write: PostWrite) -> list[Action]:
         """The WRITE; before a transfer's first, Writing to the consumer."""

@@ -104,6 +104,11 @@ def pairing_problem(prefill: InstanceIdentity, decode: InstanceIdentity) -> str 
         return (
             f"transfer modes differ: prefill {prefill.transfer_mode}, decode {decode.transfer_mode}"
         )
+    if prefill.kv_groups != decode.kv_groups:
+        return (
+            f"KV cache groups differ: prefill {prefill.kv_groups}, decode {decode.kv_groups} "
+            "(another model, or vLLM's hybrid KV cache manager on one side only)"
+        )
     if prefill.block_size and decode.block_size:
         problem = block_size_problem(
             prefill.block_size, decode.block_size, prefill.block_pages, decode.block_pages

@@ -15,11 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvpush.vllm import hooks
 from kvpush.vllm.compat import warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
+from kvpush.vllm.groups import has_sliding_window, transfer_groups, window_lost, windows
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
@@ -28,6 +30,7 @@ from kvpush.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+log = logging.getLogger(__name__)
 _log_handler_installed = False
 
 
@@ -58,7 +61,7 @@ def _cpu_attention(vllm_config: VllmConfig) -> bool:
     return current_platform.device_type == "cpu" and not vllm_config.model_config.use_mla
 
 
-class KVPushConnector(KVConnectorBase_V1):
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
@@ -77,8 +80,12 @@ class KVPushConnector(KVConnectorBase_V1):
         data_parallel = parallel.data_parallel_size > 1 or engine_id.endswith(f"_dp{dp_rank}")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        groups = transfer_groups(kv_cache_config)  # refuses a group it cannot move
+        self._windows = windows(kv_cache_config) if kv_cache_config is not None else ()
         if role == KVConnectorRole.SCHEDULER:
             warn_known_defects(vllm_config)
+            if transfer.kv_role != "kv_consumer" and has_sliding_window(kv_cache_config):
+                hooks.keep_window_margin(kv_cache_config)
             cache = vllm_config.cache_config
             self._scheduler = SchedulerSide(
                 config,
@@ -93,6 +100,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 lockstep=parallel.data_parallel_size > 1,
                 model_name=_served_name(vllm_config),
                 block_pages=not _cpu_attention(vllm_config),
+                kv_groups=groups,
             )
             # vLLM's engine is being built: it is on the stack.
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
@@ -120,6 +128,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 # MLA's latent is one "head" every rank holds whole.
                 kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
                 cpu_attention=_cpu_attention(vllm_config),
+                groups=groups,
             )
 
     # -- scheduler side ----------------------------------------------------------------
@@ -139,7 +148,26 @@ class KVPushConnector(KVConnectorBase_V1):
         return self._sched().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self._sched().request_finished(request, block_ids)
+        return self._sched().request_finished(request, [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        scheduler = self._sched()
+        block_size = self._vllm_config.cache_config.block_size
+        lost = []
+        if request.request_id in scheduler.ledger.prefill.legs:  # a decode's own are freed
+            lost = window_lost(block_ids, self._windows, request.num_prompt_tokens, block_size)
+        if lost:
+            # Only without the window margin (hooks.keep_window_margin): a block the
+            # WRITE reads may be reused. Abandon what is not delivered yet, and say so.
+            log.error(
+                "kvpush: vLLM freed window blocks of KV cache groups %s that request %s's "
+                "decode reads (no window margin): its transfer is abandoned unless delivered",
+                lost,
+                request.request_id,
+            )
+        return scheduler.request_finished(request, block_ids, spoiled=bool(lost))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().update_connector_output(connector_output)

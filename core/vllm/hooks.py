@@ -1,7 +1,7 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it seven times, each a Hook below: what it
+objects around them. kvpush reaches past it eight times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
@@ -11,6 +11,9 @@ Each process records what attached. A hook that did not is a WARNING naming its
 cost, once; the scheduler logs one INFO line of what did. `/kvpush/state?detail=1`
 shows the scheduler's record and each worker rank's; `kvpush doctor` probes the
 installed vLLM without starting an engine.
+
+One module, past 550 lines: every reach past vLLM's contract lives here, where one
+read shows all of them, their versions and their costs.
 
 Parking (why it exists): vLLM's multiprocess executor hands each step to its workers
 through a shared-memory queue whose readers spin (sched_yield) for a second after
@@ -28,6 +31,14 @@ in those acknowledgements before each send (step_notify), and parking also short
 vLLM's recheck interval (SHM_READER_RECHECK_INTERVAL_MS) to PARKED_RECHECK_MS as a
 safety net; the first step that is not parked puts vLLM's back.
 
+Window margin (why it exists): when a prefill leg finishes, vLLM frees the
+sliding-window blocks that the next token's window no longer covers (every token
+before N - W + 1, for a prompt of N tokens and a window of W) before it hands the
+connector the request's blocks. Decode recomputes the prompt's last token, whose
+window starts one token earlier, at N - W; when that token is the last of its block,
+its block is gone. vLLM keeps `extra_retained_tokens` more below each window for its
+own multi-token drafters; one more on a producer keeps exactly that block.
+
 Reader spin (why it exists): that second of spinning follows every read, not only
 the waits kvpush parks through. A decode that answers a request a second, in steps
 tens of milliseconds long, spins a core in each worker between requests, and the
@@ -44,7 +55,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -126,6 +137,17 @@ HOOKS = {
             True,
             "each worker, and the engine process during a step, spins a core for a "
             "second after every read, between requests too",
+        ),
+        Hook(
+            "window_margin",
+            "SlidingWindowSpec.extra_retained_tokens of a producer's sliding-window KV "
+            "cache groups (the KVCacheConfig vLLM's Scheduler builds its KV cache "
+            "manager from), raised by one before that manager exists",
+            ("0.32",),
+            True,
+            "a prefill instance of a sliding-window model under the hybrid KV cache "
+            "manager refuses to start (for one prompt in block_size, vLLM would free "
+            "a window block decode needs before kvpush could send it)",
         ),
         Hook(
             "park_workers",
@@ -398,6 +420,41 @@ def warn_spinloop_extension() -> bool:
     return True
 
 
+# -- window_margin (scheduler process, a producer of a sliding-window model) ----------
+
+
+def keep_window_margin(kv_cache_config: Any) -> None:
+    """Keep one more token below each sliding window of this producer's KV cache
+    groups (the module docstring says why). ConfigError where it cannot attach: a
+    transfer would then miss, for one prompt in block_size, a block decode reads."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    groups = [
+        g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+    ]
+    why = ""
+    if not RECORD.allowed("window_margin"):
+        why = "the hook is off"
+    else:
+        # vLLM's Scheduler makes the connector before its KV cache manager, from the
+        # same config object: a change made now is the one that manager reads.
+        scheduler = find_caller(
+            lambda owner: getattr(owner, "kv_cache_config", None) is kv_cache_config
+        )
+        if scheduler is None or hasattr(scheduler, "kv_cache_manager"):
+            why = "vLLM's KV cache manager is not built after the connector here"
+            RECORD.missed("window_margin", why)
+    if why:
+        raise ConfigError(
+            f"kvpush cannot keep the sliding-window block decode needs ({why}); serve "
+            "this model with --disable-hybrid-kv-cache-manager (full KV on every layer)"
+        )
+    for group in groups:
+        spec = group.kv_cache_spec
+        group.kv_cache_spec = replace(spec, extra_retained_tokens=spec.extra_retained_tokens + 1)
+    RECORD.attached("window_margin")
+
+
 def _response_queues(executor: Any) -> list[Any]:
     queues = getattr(executor, "response_mqs", None)
     return list(queues) if isinstance(queues, list | tuple) else []
@@ -487,6 +544,15 @@ def _static_problem(name: str) -> str:
 
             source = _source(getattr(shm_broadcast, "SpinCondition", None))
             return "" if "def notify" in source and "local_notify_socket" in source else "no notify"
+        if name == "window_margin":
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+            if "extra_retained_tokens" not in SlidingWindowSpec.__dataclass_fields__:
+                return "SlidingWindowSpec has no extra_retained_tokens"
+            source = _source(Scheduler.__init__)
+            made, managed = source.find("create_connector("), source.find("KVCacheManager(")
+            return "" if 0 <= made < managed else "the connector is not made before the manager"
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 

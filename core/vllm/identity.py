@@ -89,8 +89,10 @@ class IdentityService:
         dp_rank: int = 0,
         data_parallel: bool = False,
         block_pages: bool = True,
+        kv_groups: int = 1,
     ) -> None:
         self.config = config
+        self.kv_groups = kv_groups
         self.engine_id = engine_id
         self.block_size = block_size
         self.world = world
@@ -130,6 +132,7 @@ class IdentityService:
             tp_size=self.world,
             block_size=self.block_size,
             block_pages=self.block_pages,
+            kv_groups=self.kv_groups,
             dp_rank=self.dp_rank,
             data_parallel=self.data_parallel,
             addresses=[self._ranks[r].address for r in sorted(self._ranks)],

@@ -5,7 +5,7 @@ workers, through KVPushMetadata, which transfers to claim (decode), which KV wil
 be complete at the end of the step (prefill), and which to abandon. What to tell
 them the request ledger decides (kvpush.engine, docs/engine.md); this module reads
 vLLM's objects into the ledger's events, and starts this instance's identity
-endpoints (kvpush.vllm.identity).
+endpoints (kvpush.vllm.identity). Block ids come one list per KV cache group.
 
 kv_transfer_params, the two-leg contract (docs/routing.md):
   prefill leg   {"do_remote_decode": true, "transfer_id": T}
@@ -18,8 +18,8 @@ NixlConnector's shape) gets one named here, after its API request, so the echo i
 forwards still moves KV; a decode leg that names its producer only by an endpoint
 (a Mooncake-mode router's bootstrap server, or the remote_host and remote_port of
 the echo, which vllm-router's NIXL push mode keeps while dropping the rest) is
-completed from that endpoint's answer (kvpush.vllm.bootstrap), and takes the
-transfer its prefill leg's instance named.
+completed from that endpoint's answer (kvpush.vllm.bootstrap), taking the transfer
+its prefill leg's instance named.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import logging
 import re
 import urllib.parse
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from kvpush.engine.ledger import Ledger
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+_COUNTED = ("recomputed", "orphaned", "refused")
 # host:port, the host a name or an IPv4 address (or an IPv6 one in brackets).
 _HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):\d{1,5}")
 
@@ -78,15 +80,13 @@ class SchedulerSide:
         bootstrap: BootstrapResolver | None = None,
         model_name: str = "",
         block_pages: bool = True,
+        kv_groups: int = 1,
     ) -> None:
         self.config = config
         self.world = world
         self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
-        # Since the last stats(), by reason: decode prompts computed here, and legs
-        # whose other leg's params never came.
-        self.counts: dict[str, Counter[str]] = {
-            "recomputed": Counter(), "orphaned": Counter(), "refused": Counter(),
-        }  # fmt: skip
+        # By reason, since the last stats(): prompts recomputed here, orphaned legs, ...
+        self.counts: dict[str, Counter[str]] = {k: Counter() for k in _COUNTED}
         # One of several DP ranks (vLLM runs each as an engine of its own): its ports
         # are offset by the rank, and DP rank 0 speaks for all in the bootstrap answer.
         if data_parallel and config.bootstrap_port and not config.identity_port:
@@ -95,7 +95,7 @@ class SchedulerSide:
                 "rank 0's bootstrap server asks every other rank at identity_port + rank"
             )
         self.me = IdentityService(
-            config, engine_id, block_size, world, dp_rank, data_parallel, block_pages
+            config, engine_id, block_size, world, dp_rank, data_parallel, block_pages, kv_groups
         )
         self.ledger = Ledger(
             block_size,
@@ -212,7 +212,7 @@ class SchedulerSide:
         # One transfer per request: a retry under "recompute" computes locally.
         params["do_remote_prefill"] = False
         request_id = request.request_id
-        if self.ledger.decode.allocated(request_id, blocks.get_block_ids()[0], num_external_tokens):
+        if self.ledger.decode.allocated(request_id, blocks.get_block_ids(), num_external_tokens):
             self.spans.mark(request_id, "allocated")
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
@@ -247,11 +247,14 @@ class SchedulerSide:
             return False
         return self.ledger.waiting_on_transfers()
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Any, groups: Sequence[Sequence[int]], spoiled: bool = False
+    ) -> tuple[bool, Any]:
         request_id = request.request_id
         self._ids.forget(request_id)
         is_prefill = request_id in self.ledger.prefill.legs
-        finish = self.ledger.finished(request_id, sendable=_status(request) in _SENDABLE)
+        # spoiled: vLLM freed blocks the KV needs (groups.window_lost): send nothing.
+        finish = self.ledger.finished(request_id, _status(request) in _SENDABLE and not spoiled)
         if not is_prefill:
             self.spans.mark(request_id, "finished")
             self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
@@ -265,7 +268,7 @@ class SchedulerSide:
         # The id a router matching legs by X-Request-Id knows the request by.
         known_as = base.removeprefix(api_kind(base)) if leg.named_here else base
         return True, prefill_echo(
-            base, self.identity(), block_ids, known_as, leg.prompt_len, leg.transfer_id
+            base, self.identity(), groups, known_as, leg.prompt_len, leg.transfer_id
         )
 
     def update_connector_output(self, output: Any) -> None:
@@ -425,14 +428,14 @@ class SchedulerSide:
     def _track_prefill_blocks(self, out: Any) -> None:
         for new in out.scheduled_new_reqs:
             if new.req_id in self.ledger.prefill.legs:
-                self.ledger.prefill.blocks_assigned(new.req_id, new.block_ids[0], resumed=True)
+                self.ledger.prefill.blocks_assigned(new.req_id, new.block_ids, resumed=True)
         cached = out.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             if request_id not in self.ledger.prefill.legs or new_blocks is None:
                 continue
             resumed = request_id in cached.resumed_req_ids
-            self.ledger.prefill.blocks_assigned(request_id, new_blocks[0], resumed)
+            self.ledger.prefill.blocks_assigned(request_id, new_blocks, resumed)
 
     def _computed_after(self, out: Any, request_id: str) -> int:
         """How many of the request's tokens have KV once this step has run (prefix-cache

@@ -21,6 +21,7 @@ from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
+from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.stats import KVPushStats
@@ -43,6 +44,22 @@ def as_head_parts(kv_caches: dict[str, Any]) -> dict[str, Any]:
     """vLLM CPU caches [blocks, heads, tokens, 2 * dim] as [blocks, heads, the rest]
     (a view: it raises rather than copy, should a cache not be laid out so)."""
     return {name: cache.view(*cache.shape[:2], -1) for name, cache in kv_caches.items()}
+
+
+def one_view_each(kv_caches: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid model's KV cache groups overlay the same tensors, one layer of each
+    group viewing each: keep one view of each tensor, since a pair of block ids of
+    any group moves through every tensor (kvpush.vllm.groups)."""
+    kept: dict[int, tuple[str, Any]] = {}
+    for name, cache in kv_caches.items():
+        first = kept.setdefault(cache.data_ptr(), (name, cache))
+        if first[1].shape != cache.shape or first[1].stride() != cache.stride():
+            raise ConfigError(
+                f"layers {first[0]} and {name} share KV cache memory in different shapes "
+                f"({tuple(first[1].shape)} and {tuple(cache.shape)}): kvpush cannot move "
+                "one block of both"
+            )
+    return {name: cache for name, cache in kept.values()}
 
 
 def check_blocks_match(
@@ -90,9 +107,11 @@ class WorkerSide:
         dp_rank: int = 0,
         kv_heads: int = 0,
         cpu_attention: bool = False,
+        groups: int = 1,
     ) -> None:
         self.config = config
         self.cpu_attention = cpu_attention  # the cache is vLLM CPU attention's (VLLM_CPU_DIMS)
+        self.groups = groups  # KV cache groups a transfer carries (kvpush.vllm.groups)
         self.engine_id = engine_id
         self.role = KV_ROLES[kv_role]
         self.rank, self.world = rank, world
@@ -133,6 +152,8 @@ class WorkerSide:
         if self.rank == 0:
             RECORD.log_attached("worker")
         options = self.config.device_options
+        if self.groups > 1:
+            kv_caches = one_view_each(kv_caches)
         if self.cpu_attention:
             tokens = next(iter(kv_caches.values())).shape[2]
             kv_caches, dims = as_head_parts(kv_caches), VLLM_CPU_DIMS
@@ -142,7 +163,12 @@ class WorkerSide:
         kv = self.backends.describe(kv_caches, dims, options)
         check_blocks_match(kv.layout.tokens_per_block, kv.layout.num_blocks, block_size, num_blocks)
         check_heads(kv.layout.inner, self.shard)
-        kv.layout = msgspec.structs.replace(kv.layout, shard=self.shard)
+        kv.layout = msgspec.structs.replace(
+            kv.layout,
+            shard=self.shard,
+            groups=self.groups,
+            null_block=NULL_BLOCK,
+        )
         port = rank_port(self.config.port, self.dp_rank * self.world + self.rank)
         node_config = NodeConfig(
             engine_id=self.engine_id,
@@ -162,10 +188,10 @@ class WorkerSide:
         where = self.node.address if self.role != "consumer" else "(dials out)"
         log.info(
             "kvpush: rank %d %s on %s (%s path), %d layers x %d blocks of %d tokens "
-            "(the scheduler's: %s of %s), side channel %s",
+            "(the scheduler's: %s of %s), KV cache groups: %d, side channel %s",
             self.rank, self.role, kv.device, kv.path, len(kv.layout.layers),
             kv.layout.num_blocks, kv.layout.tokens_per_block, num_blocks or "?",
-            block_size or "?", where,
+            block_size or "?", self.groups, where,
         )  # fmt: skip
 
     def handshake(self) -> KVPushHandshake | None:
@@ -211,7 +237,9 @@ class WorkerSide:
 
     def save_layer(self, layer_name: str) -> None:
         """One layer of this step's KV is written: push it to whoever registered."""
-        if not (self._produces and self.config.layerwise):
+        # Each tensor holds a layer of every KV cache group: one layer's pass does
+        # not complete it, so hybrid models push at the step's end.
+        if not (self._produces and self.config.layerwise) or self.groups > 1:
             return
         index = self._layer_index.get(layer_name)
         if index is None:

@@ -1,8 +1,9 @@
 """The model shapes users deploy, each a tiny random-weight model built on the spot:
-MoE (Qwen3-MoE), MLA (DeepSeek-V3), sliding-window attention (Gemma 3, with vLLM's
-hybrid KV cache manager off) and an FP8 KV cache. For each, a plain
-instance, a kvpush prefill and a kvpush decode behind `kvpush router`: answers equal
-the plain instance's, every prompt token's KV arrives by transfer, nothing is held."""
+MoE (Qwen3-MoE), MLA (DeepSeek-V3), sliding-window attention (Gemma 3, under vLLM's
+hybrid KV cache manager: a full-attention and a sliding-window KV cache group) and an
+FP8 KV cache. For each, a plain instance, a kvpush prefill and a kvpush decode behind
+`kvpush router`: answers equal the plain instance's, every prompt token's KV arrives
+by transfer, nothing is held."""
 
 from __future__ import annotations
 
@@ -25,12 +26,17 @@ NATIVE_ROPE = ("--compilation-config", json.dumps({"custom_ops": ["-rotary_embed
 MODELS = {  # name: (architecture, extra vLLM arguments for every server)
     "moe": ("qwen3_moe", ()),
     "mla": ("deepseek_v3", NATIVE_ROPE),
-    # Without SupportsHMA, vLLM keeps full KV on the sliding layers too, and says so.
+    # Two KV cache groups; the sliding layers keep only their window's blocks.
     "sliding": ("gemma3_text", ()),
+    "sliding-pull": ("gemma3_text", ()),
     "fp8-kv": ("llama", ("--kv-cache-dtype", "fp8")),
 }
-# What a P/D instance's log must say, per model: the trade-offs users should see.
-LOG_SAYS = {"sliding": "Turning off hybrid kv cache manager"}
+MODES = {"sliding-pull": "pull"}  # the rest push
+# What a P/D instance's log must say (role: words), and must not, per model.
+SLIDING_SAYS = {"prefill": "window_margin", "decode": "KV cache groups: 2"}
+SLIDING_NEVER = ("Turning off hybrid kv cache manager", "freed window blocks")
+LOG_SAYS = {"sliding": SLIDING_SAYS, "sliding-pull": SLIDING_SAYS}
+LOG_NEVER = {"sliding": SLIDING_NEVER, "sliding-pull": SLIDING_NEVER}
 EXTERNAL = 'source="external_kv_transfer"'
 
 
@@ -39,6 +45,7 @@ def model_trio(request, cluster):
     """A plain instance, a prefill and a decode for one model shape; the router's URL."""
     name = request.param
     architecture, extra_args = MODELS[name]
+    mode = MODES.get(name, "push")
     path = build_tiny_model(cluster.workdir / f"model-{name}", architecture=architecture)
     servers = {
         f"{name}_single": (None, 1, {}),
@@ -46,11 +53,12 @@ def model_trio(request, cluster):
         f"{name}_decode": ("kv_consumer", 1, DECODE_TIMERS),
     }
     for server, (role, core, timers) in servers.items():
-        cluster.add_server(server, role, core=core, model=path, **timers)
+        cluster.add_server(server, role, core=core, mode=mode, model=path, **timers)
         cluster.servers[server].spec.extra_args = list(extra_args)
     try:
         cluster.start(*servers)
-        router = cluster.start_router([f"{name}_prefill"], [f"{name}_decode"], name=name)
+        prefill, decode = [f"{name}_prefill"], [f"{name}_decode"]
+        router = cluster.start_router(prefill, decode, mode=mode, name=name)
         yield name, router
     finally:
         cluster.stop_router(name)
@@ -69,7 +77,9 @@ def _external(client: Client, url: str) -> float:
 def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, client, model_trio):
     name, router = model_trio
     single, decode = (cluster.servers[f"{name}_{s}"].url for s in ("single", "decode"))
-    lengths = (2, 17, 129, 300, 600)
+    # 383 and 511: the first token of the last token's window (N - 256) is the last
+    # of its 128-token block, the block vLLM frees first on a prefill.
+    lengths = (2, 17, 129, 300, 383, 511, 600)
     prompts = [prompt(n, 12000 + i) for i, n in enumerate(lengths)]
     before = _external(client, decode), client.metric(decode, "vllm:kvpush_delivered_total")
     got = [client.tokens(router, p) for p in prompts]
@@ -82,16 +92,17 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
     for server in ("prefill", "decode"):
         state = client.wait_drained(cluster.identity_url(f"{name}_{server}"))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (server, state)
-        if name in LOG_SAYS:
-            log = cluster.servers[f"{name}_{server}"].log_path.read_text(errors="replace")
-            assert LOG_SAYS[name] in log, (server, LOG_SAYS[name])
+        log = cluster.servers[f"{name}_{server}"].log_path.read_text(errors="replace")
+        says = LOG_SAYS.get(name, {}).get(server)
+        assert says is None or says in log, (server, says)
+        for never in LOG_NEVER.get(name, ()):
+            assert never not in log, (server, never)
 
 
 def test_a_hybrid_linear_attention_model_is_refused_at_start_naming_why(cluster):
-    """Qwen3-Next's GDN layers keep recurrent state that is not KV, and need vLLM's
-    hybrid KV cache manager, which vLLM turns off for a connector without
-    SupportsHMA (kvpush's): the instance must not start, and its log must say why.
-    vLLM decides this before any connector code runs, so the words are vLLM's."""
+    """Qwen3-Next's gated DeltaNet layers keep recurrent state, not KV blocks, which
+    kvpush does not move: the instance must not start, and its log must name the
+    group it cannot move."""
     path = build_tiny_model(cluster.workdir / "model-gdn", architecture="qwen3_next")
     cluster.add_server("gdn_prefill", "kv_producer", core=0, model=path, **PREFILL_TIMERS)
     server = cluster.servers["gdn_prefill"]
@@ -99,7 +110,7 @@ def test_a_hybrid_linear_attention_model_is_refused_at_start_naming_why(cluster)
         with pytest.raises(KVPushError, match="exited"):
             cluster.start("gdn_prefill", timeout=300)
         log = server.log_path.read_text(errors="replace")
-        assert "hybrid SSM models (e.g. Jamba, Bamba) require HMA" in log
-        assert "Failed to promote local KV cache specs" in log
+        assert "is not attention KV" in log
+        assert "gated DeltaNet" in log
     finally:
         cluster.servers.pop("gdn_prefill").stop()

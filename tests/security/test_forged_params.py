@@ -24,7 +24,7 @@ VALID = {
     "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-1",
     "transfer_mode": "push", "remote_engine_id": "engine-p", "remote_epoch": "e0",
     "remote_addresses": ["10.0.0.5:7100"], "tp_size": 1, "remote_dp_rank": 0,
-    "remote_data_parallel": False, "remote_block_size": BLOCK,
+    "remote_data_parallel": False, "remote_block_size": BLOCK, "remote_kv_groups": 1,
     "remote_transfer_id": "xfer-1/0123456789abcdef.0",
 }  # fmt: skip
 HOSTILE = [
@@ -68,7 +68,7 @@ def _attempt(side: SchedulerSide, request_id: str, params: dict):
         side.update_state_after_alloc(request, blocks, count)
     meta = side.build_connector_meta(STEP)
     request.status = SimpleNamespace(name="FINISHED_ABORTED")
-    side.request_finished(request, [1, 2, 3])  # the engine lets it go: nothing kept
+    side.request_finished(request, [[1, 2, 3]])  # the engine lets it go: nothing kept
     return count, meta
 
 

@@ -88,7 +88,7 @@ class Engines:
         if more > 0:
             ids = self.sim.p_ledger.alloc(r.tid, more)
             self.sim.p_blocks.setdefault(r.tid, []).extend(ids)
-            self.p_requests.prefill.blocks_assigned(r.p_id, ids, resumed=False)
+            self.p_requests.prefill.blocks_assigned(r.p_id, [ids], resumed=False)
         self.p_requests.prefill.step_scheduled({r.p_id: r.computed})
         self._apply_prefill(self.p_requests.take_plan())
 
@@ -146,7 +146,7 @@ class Engines:
         r.decode = "allocated"
         if match.tokens:
             ids = self.sim.c.ledger.alloc(r.tid, -(-r.prompt_len // BLOCK))
-            if not self.d_requests.decode.allocated(r.d_id, ids, match.tokens):
+            if not self.d_requests.decode.allocated(r.d_id, [ids], match.tokens):
                 self.sim.c.ledger.release(r.tid)  # fails at once: vLLM frees them on the report
         self._apply_decode(self.d_requests.take_plan())
 

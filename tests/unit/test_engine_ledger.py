@@ -28,7 +28,7 @@ def test_a_decode_leg_claims_the_blocks_after_its_cached_prefix_and_lands():
     assert ledger.take_plan().announces == [Announce("t1", ANNOUNCE.producers, "engine-p")]
     match = ledger.decode.matched("d1", prompt_len=100, computed=32)
     assert (match.tokens, match.load_async, match.local) == (68, True, False)
-    assert ledger.decode.allocated("d1", list(range(10, 17)), external_tokens=68)
+    assert ledger.decode.allocated("d1", [list(range(10, 17))], external_tokens=68)
     plan = ledger.take_plan()
     # Tokens 32..99 are blocks 2..6 of the request's seven.
     assert plan.expects == [Expect("d1", "t1", ANNOUNCE.producers, (12, 13, 14, 15, 16), 2,
@@ -48,7 +48,7 @@ def test_a_decode_leg_cached_whole_here_lets_the_producer_free_its_copy():
     match = ledger.decode.matched("d1", prompt_len=64, computed=64)
     assert (match.tokens, match.local) == (0, True)
     assert ledger.take_plan().aborts == ["t1"]
-    assert not ledger.decode.allocated("d1", [1, 2, 3, 4], external_tokens=0)
+    assert not ledger.decode.allocated("d1", [[1, 2, 3, 4]], external_tokens=0)
 
 
 @pytest.mark.parametrize("claimed", [False, True])
@@ -57,7 +57,7 @@ def test_a_decode_leg_aborted_before_its_kv_arrived_ends_its_transfer(claimed):
     _decode(ledger)
     if claimed:
         ledger.decode.matched("d1", 40, 0)
-        ledger.decode.allocated("d1", [5, 6, 7], 40)
+        ledger.decode.allocated("d1", [[5, 6, 7]], 40)
     ledger.take_plan()
     ledger.finished("d1")
     assert ledger.take_plan().aborts == ["t1"]
@@ -68,7 +68,7 @@ def test_a_rejected_leg_fails_when_allocated_with_its_reason():
     ledger = Ledger(BLOCK)
     ledger.decode.rejected("d1", "t1", "transfer mode mismatch")
     assert ledger.decode.matched("d1", 40, 40).tokens == 1  # always something to fail
-    assert not ledger.decode.allocated("d1", [1, 2, 3], 40)
+    assert not ledger.decode.allocated("d1", [[1, 2, 3]], 40)
     assert ledger.take_plan().rejects == [("d1", "transfer mode mismatch")]
     ledger.decode.loaded("d1", failed=True)
     assert ledger.decode.legs["d1"].state == DecodeState.FAILED
@@ -77,7 +77,7 @@ def test_a_rejected_leg_fails_when_allocated_with_its_reason():
 def _leader_and_follower(ledger: Ledger) -> None:
     _decode(ledger, "0_d")
     ledger.decode.matched("0_d", 40, 0)
-    ledger.decode.allocated("0_d", [1, 2, 3], 40)
+    ledger.decode.allocated("0_d", [[1, 2, 3]], 40)
     assert not ledger.decode.follows("1_d", "t1.1", "0_d", Announce("t1.1", ("p:1",)))
 
 
@@ -112,7 +112,7 @@ def test_under_the_recompute_policy_followers_compute_the_prompt():
 
 def _prefill(ledger: Ledger, prompt_len: int = 40) -> None:
     ledger.prefill.arrived("p1", "t1", "base", prompt_len, named_here=False)
-    ledger.prefill.blocks_assigned("p1", [7, 8, 9], resumed=True)
+    ledger.prefill.blocks_assigned("p1", [[7, 8, 9]], resumed=True)
 
 
 def test_a_prefill_leg_is_handed_over_chunk_by_chunk_then_held_until_released():
@@ -157,7 +157,7 @@ def test_a_prefill_preempted_before_any_hand_over_just_resumes():
     ledger.prefill.step_scheduled({"p1": 16})
     assert not ledger.prefill.preempted("p1")
     assert ledger.prefill.legs["p1"].state == PrefillState.ADMITTED
-    ledger.prefill.blocks_assigned("p1", [3, 4, 5], resumed=True)
+    ledger.prefill.blocks_assigned("p1", [[3, 4, 5]], resumed=True)
     ledger.prefill.step_scheduled({"p1": 40})
     assert ledger.take_plan().produces == [Produce("p1", "t1", (3, 4, 5))]
 

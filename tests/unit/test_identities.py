@@ -48,7 +48,7 @@ def test_a_decode_leg_names_the_identity_it_was_built_from():
     assert (named.engine_id, named.addresses, named.block_size) == (
         "engine-p", identity.addresses, 64,
     )  # fmt: skip
-    echo = prefill_echo("xfer-1", identity, [3, 4], "req-1", 100)
+    echo = prefill_echo("xfer-1", identity, [[3, 4]], "req-1", 100)
     assert (echo["remote_host"], echo["remote_port"]) == ("10.0.0.5", 8998)
     assert echo["remote_block_ids"] == [[3, 4]]
 

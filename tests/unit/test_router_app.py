@@ -532,8 +532,12 @@ def test_requests_go_only_to_a_decode_whose_blocks_and_ranks_pair_with_prefill(m
                 "same --block-size",
             ],
         ),
+        (
+            {**_identity("d", 128, tp_size=2), "kv_groups": 2},
+            ["KV cache groups differ: prefill 1, decode 2", "hybrid KV cache manager"],
+        ),
     ],
-    ids=["block-size", "tensor-parallel", "block-size-unpaged"],
+    ids=["block-size", "tensor-parallel", "block-size-unpaged", "kv-groups"],
 )
 def test_a_pair_that_cannot_exchange_kv_is_refused_with_both_sides_values(mode, decode, named):
     prefill = _identity("p", 128, tp_size=2, mode=mode)

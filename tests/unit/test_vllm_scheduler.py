@@ -119,7 +119,7 @@ def test_prefill_leg_is_produced_in_the_step_that_finishes_its_prompt():
     meta = side.build_connector_meta(_step(cached=[("p1", [6], 200)], scheduled={"p1": 100}))
     assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (4, 5, 6))]
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    delay, echo = side.request_finished(request, [4, 5, 6])
+    delay, echo = side.request_finished(request, [[4, 5, 6]])
     assert delay is True
     assert echo["transfer_id"] == "xfer-1" and echo["remote_epoch"] == side.epoch
     assert echo["remote_addresses"] == ["10.0.0.5:7100"] and echo["do_remote_prefill"]
@@ -133,7 +133,7 @@ def test_prefill_aborted_before_its_last_step_frees_at_once():
     request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"},
                        status="FINISHED_ABORTED")  # fmt: skip
     side.get_num_new_matched_tokens(request, 0)
-    assert side.request_finished(request, [4, 5]) == (False, None)
+    assert side.request_finished(request, [[4, 5]]) == (False, None)
     assert side.build_connector_meta(_step()).aborts == [_tid(300)]
 
 
@@ -143,7 +143,7 @@ def test_prefill_aborted_after_its_kv_was_signalled_waits_for_the_producer():
     side.get_num_new_matched_tokens(request, 0)
     side.build_connector_meta(_step(new=[("p1", 10, [4], 0)], scheduled={"p1": 10}))
     request.status = SimpleNamespace(name="FINISHED_ABORTED")
-    delay, _ = side.request_finished(request, [4])
+    delay, _ = side.request_finished(request, [[4]])
     assert delay is True  # a WRITE may be reading block 4
     assert side.build_connector_meta(_step()).aborts == [_tid(10)]
 
@@ -177,7 +177,7 @@ def test_decode_leg_aborted_while_queued_stops_keeping_prefill_kv_alive():
     side = _side()
     request = _request("d1", 300, _decode_params(), status="FINISHED_ABORTED")
     side.get_num_new_matched_tokens(request, 0)
-    side.request_finished(request, [])
+    side.request_finished(request, [[]])
     meta = side.build_connector_meta(_step())
     assert meta.aborts == [_tid(300)]
 
@@ -302,7 +302,7 @@ def _finished_leader(side: SchedulerSide, failed: bool):
     side.on_new_request(leader)
     _load(side, leader, failed)
     leader.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    side.request_finished(leader, [1, 2, 3])
+    side.request_finished(leader, [[1, 2, 3]])
     follower = _request("1_cmpl-7-0-aaaaaaaa", 300, _decode_params())
     side.on_new_request(follower)
     return follower
@@ -350,7 +350,7 @@ def test_prefill_echo_names_the_routers_transfer_id_not_the_engines():
     side.on_new_request(request)
     side.build_connector_meta(_step(new=[("p1", 10, [4], 0)], scheduled={"p1": 10}))
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    _, echo = side.request_finished(request, [4])
+    _, echo = side.request_finished(request, [[4]])
     assert echo["transfer_id"] == "xfer-9"
 
 
@@ -385,7 +385,7 @@ def _finish_prefill(side: SchedulerSide, request) -> dict:
         _step(new=[(request.request_id, n, [4], 0)], scheduled={request.request_id: n})
     )
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    _, echo = side.request_finished(request, [4])
+    _, echo = side.request_finished(request, [[4]])
     return echo
 
 
@@ -617,7 +617,7 @@ def test_a_prefill_preempted_while_its_kv_is_sent_ends_that_transfer_and_sends_n
     meta = side.build_connector_meta(resumed)
     assert meta.produces == [] and meta.aborts == []
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    assert side.request_finished(request, [7, 8, 9]) == (True, None)
+    assert side.request_finished(request, [[7, 8, 9]]) == (True, None)
     side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
     assert side.state() == {"sending": 0, "producing": 0, "receiving": 0}
 
@@ -677,7 +677,7 @@ def test_a_prefill_aborted_between_chunks_keeps_its_blocks_until_the_producer_le
     side.on_new_request(request)
     side.build_connector_meta(_step(new=[("p1", 500, [4, 5], 0)], scheduled={"p1": 256}))
     request.status = SimpleNamespace(name="FINISHED_ABORTED")
-    assert side.request_finished(request, [4, 5]) == (True, None)  # a WRITE may read them
+    assert side.request_finished(request, [[4, 5]]) == (True, None)  # a WRITE may read them
     assert side.build_connector_meta(_step()).aborts == [_tid(500)]
     side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
     assert side.state() == {"sending": 0, "producing": 0, "receiving": 0}
@@ -696,7 +696,7 @@ def test_a_prefill_preempted_between_pushed_chunks_ends_its_transfer():
     meta = side.build_connector_meta(resumed)
     assert meta.produces == [] and meta.progress == []  # nothing more for that transfer
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    assert side.request_finished(request, [7, 8, 9, 10]) == (True, None)
+    assert side.request_finished(request, [[7, 8, 9, 10]]) == (True, None)
 
 
 def test_the_prefill_trace_notes_the_last_step_and_the_first_chunk_sent():
@@ -714,7 +714,7 @@ def test_the_prefill_trace_notes_the_last_step_and_the_first_chunk_sent():
     )
     side.build_connector_meta(_step(cached=[("p1", [6, 7], 256)], scheduled={"p1": 244}))
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    side.request_finished(request, [4, 5, 6, 7])
+    side.request_finished(request, [[4, 5, 6, 7]])
     side.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=None))
     (trace,) = side.spans.trace()
     assert trace["marks"]["chunk_sent"] == sent < trace["marks"]["last_step"]
@@ -767,7 +767,7 @@ def test_a_prefill_whose_write_is_in_flight_parks_its_workers_but_tells_of_the_f
         _step(new=[("p1", 300, [4, 5, 6], 0)], scheduled={"p1": 300})
     ).park  # it computes, and produces
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    side.request_finished(request, [4, 5, 6])
+    side.request_finished(request, [[4, 5, 6]])
     finishing = _step()
     finishing.finished_req_ids = {"p1"}
     started = time.monotonic()
@@ -868,7 +868,7 @@ def test_the_scheduler_traces_a_decode_leg_through_every_phase():
     )  # fmt: skip
     side.build_connector_meta(_step(cached=[("d1", [], 299)], scheduled={"d1": 1}))
     request.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
-    side.request_finished(request, [1, 2, 3])
+    side.request_finished(request, [[1, 2, 3]])
     (trace,) = side.spans.trace()
     assert trace["transfer_id"] == "xfer-1"
     assert list(trace["spans_ms"]) == ["queued", "kv_wait", "to_step", "generate"]

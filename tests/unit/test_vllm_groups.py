@@ -1,0 +1,136 @@
+"""vLLM's KV cache groups as kvpush takes them: which it moves and which it refuses,
+the sliding-window margin a producer keeps (checked against vLLM's own window
+arithmetic), and one view of each tensor the groups overlay."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+from kvpush.errors import ConfigError
+from kvpush.vllm import hooks
+from kvpush.vllm.groups import (
+    NULL_BLOCK,
+    has_sliding_window,
+    transfer_groups,
+    window_lost,
+    windows,
+)
+from kvpush.vllm.worker import one_view_each
+
+BLOCK, WINDOW = 16, 64
+
+
+def _full(block: int = BLOCK) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=8, dtype=torch.float32)
+
+
+def _sliding(block: int = BLOCK) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=WINDOW
+    )
+
+
+def _config(*specs) -> SimpleNamespace:
+    groups = [
+        SimpleNamespace(kv_cache_spec=spec, layer_names=[f"layer.{i}"], enable_kv_transfer=True)
+        for i, spec in enumerate(specs)
+    ]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_full_and_sliding_window_groups_are_moved_together():
+    assert transfer_groups(_config(_full())) == 1
+    assert transfer_groups(_config(_full(), _sliding())) == 2
+    assert transfer_groups(None) == 1
+    assert has_sliding_window(_config(_full(), _sliding()))
+    assert not has_sliding_window(_config(_full()))
+
+
+def test_recurrent_state_groups_are_refused_naming_the_group():
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec.*is not attention KV"):
+        transfer_groups(_config(_full(), mamba))
+
+
+def test_groups_of_different_block_sizes_or_kept_out_of_transfers_are_refused():
+    with pytest.raises(ConfigError, match=r"different block sizes \[16, 32\]"):
+        transfer_groups(_config(_full(16), _sliding(32)))
+    config = _config(_full(), _sliding())
+    config.kv_cache_groups[1].enable_kv_transfer = False
+    with pytest.raises(ConfigError, match="kept out of KV transfers"):
+        transfer_groups(config)
+
+
+class _Scheduler:
+    """Stands where vLLM's Scheduler makes its connector: config set, no manager yet."""
+
+    def __init__(self, kv_cache_config: SimpleNamespace, manager_first: bool = False) -> None:
+        self.kv_cache_config = kv_cache_config
+        if manager_first:
+            self.kv_cache_manager = object()
+
+    def make_connector(self) -> None:
+        hooks.keep_window_margin(self.kv_cache_config)
+
+
+def _skipped_blocks(spec: SlidingWindowSpec, computed: int) -> int:
+    """Blocks vLLM's own window arithmetic frees once `computed` tokens have KV."""
+    manager = SimpleNamespace(
+        sliding_window=spec.sliding_window, extra_retained_tokens=spec.extra_retained_tokens
+    )
+    return SlidingWindowManager.get_num_skipped_tokens(manager, computed) // BLOCK
+
+
+def test_a_producer_keeps_the_window_block_decode_reads_for_the_prompts_last_token():
+    config = _config(_full(), _sliding())
+    # N - W is the last token of block 0: vLLM frees it when the prefill leg ends,
+    # yet decode, recomputing token N - 1, attends from N - W on.
+    prompt = WINDOW + BLOCK - 1
+    needed = (prompt - WINDOW) // BLOCK
+    assert _skipped_blocks(config.kv_cache_groups[1].kv_cache_spec, prompt) > needed
+    _Scheduler(config).make_connector()
+    sliding = config.kv_cache_groups[1].kv_cache_spec
+    assert sliding.extra_retained_tokens == 1
+    assert _skipped_blocks(sliding, prompt) == needed  # kept, and only that one more
+    assert config.kv_cache_groups[0].kv_cache_spec == _full()  # full attention untouched
+
+
+def _finished_table(spec: SlidingWindowSpec, prompt: int) -> list[int]:
+    """A finished prefill's sliding-group block table as vLLM hands it over: the
+    blocks its window arithmetic freed are the null block."""
+    blocks = list(range(1, -(-prompt // BLOCK) + 1))
+    freed = _skipped_blocks(spec, prompt)
+    return [NULL_BLOCK] * freed + blocks[freed:]
+
+
+@pytest.mark.parametrize("prompt", range(WINDOW - 2, WINDOW + 3 * BLOCK + 2))
+def test_a_freed_window_block_is_caught_at_finish_without_the_margin_and_never_with_it(prompt):
+    config = _config(_full(), _sliding())
+    full = list(range(100, 100 + -(-prompt // BLOCK)))
+    bare = [full, _finished_table(config.kv_cache_groups[1].kv_cache_spec, prompt)]
+    boundary = prompt >= WINDOW and (prompt - WINDOW + 1) % BLOCK == 0
+    assert window_lost(bare, windows(config), prompt, BLOCK) == ([1] if boundary else [])
+    _Scheduler(config).make_connector()
+    kept = [full, _finished_table(config.kv_cache_groups[1].kv_cache_spec, prompt)]
+    assert window_lost(kept, windows(config), prompt, BLOCK) == []
+
+
+def test_the_margin_refuses_to_start_where_it_cannot_attach(monkeypatch):
+    with pytest.raises(ConfigError, match="not built after the connector"):
+        _Scheduler(_config(_full(), _sliding()), manager_first=True).make_connector()
+    monkeypatch.setenv(hooks.OFF_ENV, "window_margin")
+    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
+        _Scheduler(_config(_full(), _sliding())).make_connector()
+
+
+def test_one_view_of_each_tensor_the_groups_overlay():
+    shared, other = torch.zeros(8, 2, 16, 8), torch.zeros(8, 2, 16, 8)
+    views = {"full.0": shared, "sliding.0": shared.view(8, 2, 16, 8), "full.1": other}
+    assert list(one_view_each(views)) == ["full.0", "full.1"]
+    with pytest.raises(ConfigError, match="share KV cache memory in different shapes"):
+        one_view_each({"a": shared, "b": shared.view(8, 2, 128)})
