@@ -80,11 +80,20 @@ class DecodeLegs:
     """The decode legs this engine loads, by request id."""
 
     def __init__(
-        self, block_size: int, prefix_caching: bool = True, recompute_on_failure: bool = False
+        self,
+        block_size: int,
+        prefix_caching: bool = True,
+        recompute_on_failure: bool = False,
+        windowed: bool = False,
     ) -> None:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.recompute_on_failure = recompute_on_failure
+        # A sliding-window model: load all but the prompt's last token, which decode
+        # computes. Told the whole prompt is loaded, vLLM sizes the window for the
+        # token after it and drops the block holding the first token that the last
+        # one, recomputed, still reads.
+        self.windowed = windowed
         self.legs: dict[str, DecodeLeg] = {}
         self._failed_loads: OrderedDict[str, None] = OrderedDict()
         self.plan = StepPlan()  # the Ledger's, for this step
@@ -126,7 +135,7 @@ class DecodeLegs:
         leg = self.legs.get(request_id)
         if leg is None:
             return Match(None)
-        count = prompt_len - computed
+        count = prompt_len - computed - (1 if self.windowed else 0)
         if leg.state == D.REJECTED:
             return Match(max(count, 1), load_async=True)  # fails at once, per the policy
         if leg.state == D.FOLLOWER:

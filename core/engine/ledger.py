@@ -43,8 +43,9 @@ class Ledger:
         prefix_caching: bool = True,
         recompute_on_failure: bool = False,
         progressive: bool = True,
+        windowed: bool = False,  # a sliding-window model (DecodeLegs)
     ) -> None:
-        self.decode = DecodeLegs(block_size, prefix_caching, recompute_on_failure)
+        self.decode = DecodeLegs(block_size, prefix_caching, recompute_on_failure, windowed)
         self.prefill = PrefillLegs(block_size, progressive)
         self.take_plan()  # one plan, both legs filling it
 

@@ -101,6 +101,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 model_name=_served_name(vllm_config),
                 block_pages=not _cpu_attention(vllm_config),
                 kv_groups=groups,
+                windowed=any(self._windows),
             )
             # vLLM's engine is being built: it is on the stack.
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)

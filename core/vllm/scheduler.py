@@ -81,6 +81,7 @@ class SchedulerSide:
         model_name: str = "",
         block_pages: bool = True,
         kv_groups: int = 1,
+        windowed: bool = False,
     ) -> None:
         self.config = config
         self.world = world
@@ -98,10 +99,7 @@ class SchedulerSide:
             config, engine_id, block_size, world, dp_rank, data_parallel, block_pages, kv_groups
         )
         self.ledger = Ledger(
-            block_size,
-            prefix_caching=prefix_caching,
-            recompute_on_failure=recompute_on_failure,
-            progressive=config.progressive,
+            block_size, prefix_caching, recompute_on_failure, config.progressive, windowed
         )
         self.bootstrap = bootstrap or BootstrapResolver()
         self._said: set[str] = set()  # what was logged once already

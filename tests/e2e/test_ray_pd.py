@@ -40,6 +40,12 @@ def ray_cluster() -> Iterator[str]:
     # users start themselves.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    # vLLM's ZeroMQ sockets are files that outlive its engines: in our directory, not
+    # /tmp (Ray's processes take the environment ray.init finds).
+    sockets = os.path.join(temp, "ipc")
+    os.mkdir(sockets)
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = sockets
     # Logical CPUs: each LLM replica takes one for its actor and one for its engine.
     ray.init(num_cpus=8, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     kvpush.ray_serve.register()
@@ -50,6 +56,10 @@ def ray_cluster() -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        if before is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = before
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -70,6 +80,7 @@ def _llm_config(
         "runtime_env": {"env_vars": {
             "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()),
         }},
     }  # fmt: skip
 

@@ -20,9 +20,11 @@ from kvpush.engine.decode import DecodeState
 from kvpush.engine.ledger import Ledger
 from kvpush.engine.outcomes import Outcomes
 from kvpush.engine.steps import Announce, StepPlan
+from kvpush.layout import interleave
 from kvpush.protocol.consumer import Source
 
 BLOCK = 16
+NULL = 0  # vLLM's null block, with a sliding window
 
 
 @dataclass
@@ -49,10 +51,22 @@ class Request:
 
 
 class Engines:
-    def __init__(self, mode: str = "push", progressive: bool = True) -> None:
-        self.sim = Sim(mode=mode, producer_blocks=512, consumer_blocks=512, engine_frees=True)
+    def __init__(
+        self, mode: str = "push", progressive: bool = True, window: int = 0, margin: int = 1
+    ) -> None:
+        """`window`: a sliding-window KV cache group beside the full-attention one, of
+        that many tokens (0: the full group alone). `margin`: tokens the prefill engine
+        keeps below each window (vLLM's extra_retained_tokens, which kvpush raises by
+        one: kvpush.vllm.hooks.keep_window_margin)."""
+        self.window, self.margin = window, margin
+        self.groups = 2 if window else 1
+        self.sim = Sim(
+            mode=mode, producer_blocks=512, consumer_blocks=512, engine_frees=True,
+            groups=self.groups, null=NULL if window else -1,
+        )  # fmt: skip
+        self.p_groups: dict[str, list[list[int]]] = {}  # tid -> prefill's table, per group
         self.p_requests = Ledger(BLOCK, progressive=progressive)  # the prefill engine's
-        self.d_requests = Ledger(BLOCK)  # the decode engine's
+        self.d_requests = Ledger(BLOCK, windowed=bool(window))  # the decode engine's
         self.p_out, self.d_out = Outcomes(), Outcomes()
         self.requests: dict[int, Request] = {}
         self.loads: dict[str, bool] = {}  # decode request -> its load failed
@@ -83,19 +97,35 @@ class Engines:
         if r.prefill != "running" or r.computed >= r.prompt_len:
             return
         r.computed = min(r.prompt_len, r.computed + tokens)
-        held = len(self.sim.p_blocks.get(r.tid, []))
-        more = -(-r.computed // BLOCK) - held
+        table = self.p_groups.setdefault(r.tid, [[] for _ in range(self.groups)])
+        more = -(-r.computed // BLOCK) - len(table[0])
         if more > 0:
-            ids = self.sim.p_ledger.alloc(r.tid, more)
-            self.sim.p_blocks.setdefault(r.tid, []).extend(ids)
-            self.p_requests.prefill.blocks_assigned(r.p_id, [ids], resumed=False)
+            new = [self.sim.p_ledger.alloc(r.tid, more) for _ in table]
+            for mine, ids in zip(table, new, strict=True):
+                mine.extend(ids)
+            self.sim.p_blocks[r.tid] = interleave(table)  # the ids the ledger was told
+            self.p_requests.prefill.blocks_assigned(r.p_id, new, resumed=False)
         self.p_requests.prefill.step_scheduled({r.p_id: r.computed})
         self._apply_prefill(self.p_requests.take_plan())
+        self._slide(r)
+
+    def _slide(self, r: Request) -> None:
+        """vLLM frees the sliding group's blocks that the next token's window, less the
+        margin, no longer covers, and pads their positions with the null block."""
+        if not self.window or r.tid not in self.p_groups or r.tid not in self.sim.p_ledger.live:
+            return
+        sliding = self.p_groups[r.tid][1]
+        left = max(0, r.computed - self.window + 1 - self.margin) // BLOCK
+        for position in range(min(left, len(sliding))):
+            if sliding[position] != NULL:
+                self.sim.p_ledger.free_block(r.tid, sliding[position])
+                sliding[position] = NULL
 
     def prefill_finishes(self, r: Request, sendable: bool = True) -> None:
         if r.prefill != "running":
             return
         r.prefill = "finished"
+        self._slide(r)  # before vLLM tells the connector, as vLLM 0.32 does
         finish = self.p_requests.finished(r.p_id, sendable and r.computed >= r.prompt_len)
         self._apply_prefill(self.p_requests.take_plan())
         if finish.keep_blocks:
@@ -145,8 +175,15 @@ class Engines:
             return
         r.decode = "allocated"
         if match.tokens:
-            ids = self.sim.c.ledger.alloc(r.tid, -(-r.prompt_len // BLOCK))
-            if not self.d_requests.decode.allocated(r.d_id, [ids], match.tokens):
+            positions = -(-r.prompt_len // BLOCK)
+            table = [self.sim.c.ledger.alloc(r.tid, positions)]
+            if self.window:
+                # The window of the token decode computes first (after its cached and
+                # loaded ones) starts here; vLLM pads what lies before with the null block.
+                left = max(0, r.local_tokens + match.tokens - self.window + 1) // BLOCK
+                left = min(left, positions)
+                table.append([NULL] * left + self.sim.c.ledger.alloc(r.tid, positions - left))
+            if not self.d_requests.decode.allocated(r.d_id, table, match.tokens):
                 self.sim.c.ledger.release(r.tid)  # fails at once: vLLM frees them on the report
         self._apply_decode(self.d_requests.take_plan())
 

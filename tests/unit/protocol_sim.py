@@ -25,20 +25,30 @@ from kvpush.regions import MemRegion
 PRODUCER = "prefill:7000"
 
 
-def layout(num_blocks: int, base: int = 0x100000) -> KVLayout:
+def layout(num_blocks: int, base: int = 0x100000, groups: int = 1, null: int = -1) -> KVLayout:
     region = MemRegion(base, num_blocks * 1024)
     return KVLayout(
-        (region,), ((BlockRun(base, 1024, 1024, "mixed"),),), num_blocks, 16, "f32", "x"
-    )
+        (region,), ((BlockRun(base, 1024, 1024, "mixed"),),), num_blocks, 16, "f32", "x",
+        groups=groups, null_block=null,
+    )  # fmt: skip
 
 
-def hello(role: str, mode: str, blocks: int, name: str, base: int, config: ProtocolConfig) -> Hello:
+def hello(
+    role: str,
+    mode: str,
+    blocks: int,
+    name: str,
+    base: int,
+    config: ProtocolConfig,
+    groups: int = 1,
+    null: int = -1,
+) -> Hello:
     return Hello(
         identity=Identity(name, 0, 1, "epoch1"),
         mode=mode,
         role=role,
         agent_name=name,
-        layout_digest=layout(blocks, base).digest(),
+        layout_digest=layout(blocks, base, groups, null).digest(),
         nonce=b"n" * 16,
         lease_s=config.lease_s,
         registration_ttl_s=config.registration_ttl_s,
@@ -50,9 +60,9 @@ def hello(role: str, mode: str, blocks: int, name: str, base: int, config: Proto
 class Ledger:
     """Blocks of one engine: each allocated to one owner, freed exactly once."""
 
-    def __init__(self, side: str, size: int) -> None:
+    def __init__(self, side: str, size: int, null: int = -1) -> None:
         self.side = side
-        self.free = list(range(size))
+        self.free = [b for b in range(size) if b != null]  # the null block is no one's
         self.owner: dict[int, str] = {}
         self.live: set[str] = set()
         self.errors: list[str] = []
@@ -73,6 +83,14 @@ class Ledger:
         for block in blocks:
             del self.owner[block]
             self.free.append(block)
+
+    def free_block(self, owner: str, block: int) -> None:
+        """One block of `owner` back early (a sliding window has left it)."""
+        if self.owner.get(block) != owner:
+            self.errors.append(f"{self.side}: block {block} freed by {owner}, who lacks it")
+            return
+        del self.owner[block]
+        self.free.append(block)
 
     def holds(self, owner: str, blocks: list[int]) -> bool:
         return all(self.owner.get(b) == owner for b in blocks)
@@ -159,7 +177,15 @@ class _ProducerPorts(_Ports):
     def expose(self, transfer_id: str, block_ids: list[int]) -> None:
         if self.sim.strike("stage"):
             raise BackendError("injected fault: staging for a READ failed")
-        if not self.sim.p_ledger.holds(transfer_id, block_ids):
+        # A position a consumer's window has left is never read: the block there may
+        # be one the engine freed already (staging it copies bytes no one takes).
+        claims = [s.expected[transfer_id] for s in self.sim.consumers.values()
+                  if transfer_id in s.expected]  # fmt: skip
+        wanted = block_ids if not claims else [
+            block for claim in claims
+            for block, dst in zip(block_ids, claim, strict=False) if dst != self.sim.null
+        ]  # fmt: skip
+        if not self.sim.p_ledger.holds(transfer_id, wanted):
             self.sim.errors.append(f"{transfer_id} exposed blocks it does not hold")
 
     def landed(self, transfer_id: str) -> int:
@@ -229,7 +255,8 @@ class _ConsumerPorts(_Ports):
                 (b, layer)
                 for i, b in enumerate(side.expected[tid])
                 for layer in range(sim.layers)
-                if side.memory.get((b, layer)) != (tid, sources[i] if i < len(sources) else None)
+                if b != sim.null
+                and side.memory.get((b, layer)) != (tid, sources[i] if i < len(sources) else None)
             ]
             if wrong:
                 sim.errors.append(f"{tid} delivered but blocks {wrong} hold other bytes")
@@ -256,6 +283,8 @@ class Sim:
         handshake_ok: bool = True,
         layers: int = 1,
         engine_frees: bool = False,
+        groups: int = 1,
+        null: int = -1,
     ) -> None:
         self.config = config or ProtocolConfig(
             mode=mode,
@@ -277,12 +306,15 @@ class Sim:
         self.now = 0.0
         self.handshake_ok = handshake_ok
         self.layers = layers
-        self.producer = Producer(self.config, num_layers=layers)
+        # KV cache groups interleaved in each block list, `null` padding the positions
+        # a sliding window left (kvpush.layout); -1: one group, every id a block.
+        self.null = null
+        self.producer = Producer(self.config, num_layers=layers, null_block=null)
         self.producer_hello = hello(
-            "producer", self.mode, producer_blocks, "prefill", 0x100000, self.config
+            "producer", self.mode, producer_blocks, "prefill", 0x100000, self.config, groups, null
         )
-        self.producer_layout = layout(producer_blocks, 0x100000)
-        self.p_ledger = Ledger("producer", producer_blocks)
+        self.producer_layout = layout(producer_blocks, 0x100000, groups, null)
+        self.p_ledger = Ledger("producer", producer_blocks, null)
         self.kv_ready: set[str] = set()
         self.p_blocks: dict[str, list[int]] = {}  # tid -> its producer blocks, in order
         self.last_step: set[str] = set()  # tids whose last prompt step was reported
@@ -292,11 +324,12 @@ class Sim:
         for i in range(consumers):
             name = f"decode{i}"
             base = 0x900000 + i * 0x100000
-            h = hello("consumer", self.mode, consumer_blocks, name, base, self.config)
-            machine = Consumer(self.config, h.layout_digest)
+            h = hello("consumer", self.mode, consumer_blocks, name, base, self.config, groups, null)
+            machine = Consumer(self.config, h.layout_digest, null_block=null)
             self.consumers[name] = ConsumerSide(
-                name, machine, h, layout(consumer_blocks, base), Ledger(name, consumer_blocks)
-            )
+                name, machine, h, layout(consumer_blocks, base, groups, null),
+                Ledger(name, consumer_blocks, null),
+            )  # fmt: skip
         self.network: deque[tuple[str, str, object]] = deque()  # (to, from, message)
         self.writes: dict[str, tuple[str, act.PostWrite]] = {}
         self.posted_at: dict[str, float] = {}

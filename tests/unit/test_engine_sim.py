@@ -49,6 +49,39 @@ def test_a_decode_aborted_while_prefill_computes_frees_both_sides():
     engines.check()
 
 
+WINDOW = 3 * BLOCK
+BOUNDARY = WINDOW - 1 + 2 * BLOCK  # its last token's window starts at a block's last token
+
+
+def _one_sliding_life(margin: int, progressive: bool) -> Engines:
+    engines = Engines(progressive=progressive, window=WINDOW, margin=margin)
+    r = engines.add(0, prompt_len=BOUNDARY, local_tokens=0)
+    engines.decode_arrives(r)
+    engines.prefill_arrives(r)
+    engines.decode_allocates(r)
+    while r.computed < r.prompt_len:
+        engines.prefill_step(r, 2 * BLOCK)
+    engines.prefill_finishes(r)
+    engines.sim.settle()
+    engines.collect()
+    engines.decode_finishes(r)
+    engines.sim.settle()
+    engines.collect()
+    return engines
+
+
+def test_a_sliding_window_groups_kv_lands_where_decodes_window_reads_it():
+    for progressive in (False, True):
+        engines = _one_sliding_life(margin=1, progressive=progressive)
+        assert engines.landed(engines.requests[0])
+        engines.check()
+
+
+def test_without_the_window_margin_a_write_reads_a_block_the_prefill_engine_freed():
+    engines = _one_sliding_life(margin=0, progressive=False)
+    assert any("had freed" in e for e in engines.sim.errors), engines.sim.errors
+
+
 requests = st.lists(
     # prompt blocks, local blocks, and whether it is the previous request's sibling
     st.tuples(st.integers(1, 6), st.integers(0, 6), st.booleans()),
@@ -78,11 +111,14 @@ event = st.one_of(
 @given(
     mode=st.sampled_from(["push", "pull"]),
     progressive=st.booleans(),
+    window=st.sampled_from([0, 0, WINDOW, 2 * BLOCK + 5]),
     shapes=requests,
     events=st.lists(event, max_size=60),
 )
-def test_random_request_lifecycles_leave_nothing_held_or_waiting(mode, progressive, shapes, events):
-    engines = Engines(mode=mode, progressive=progressive)
+def test_random_request_lifecycles_leave_nothing_held_or_waiting(
+    mode, progressive, window, shapes, events
+):
+    engines = Engines(mode=mode, progressive=progressive, window=window)
     for index, (blocks, local, sibling) in enumerate(shapes):
         prompt = blocks * BLOCK - (index % 3)  # not always a whole number of blocks
         leader = engines.requests.get(index - 1) if sibling else None

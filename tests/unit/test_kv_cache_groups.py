@@ -196,3 +196,16 @@ def test_a_prefill_legs_chunks_count_every_groups_entries():
     ledger.prefill.step_scheduled({"p1": 40})
     (produce,) = ledger.take_plan().produces
     assert produce.block_ids == (1, 5, 2, 6, 3, 7)
+
+
+def test_a_sliding_window_decode_loads_all_but_the_last_token_and_computes_that_one():
+    ledger = Ledger(block_size=16, windowed=True)
+    ledger.decode.announced("d1", "t1", Announce("t1", ("p:1",), "engine-p"))
+    match = ledger.decode.matched("d1", prompt_len=64, computed=16)
+    assert match.tokens == 47  # 64 tokens, 16 cached here, the last one computed here
+    full = Ledger(block_size=16)
+    full.decode.announced("d1", "t1", Announce("t1", ("p:1",), "engine-p"))
+    assert full.decode.matched("d1", prompt_len=64, computed=16).tokens == 48
+    cached = Ledger(block_size=16, windowed=True)
+    cached.decode.announced("d1", "t1", Announce("t1", ("p:1",), "engine-p"))
+    assert cached.decode.matched("d1", prompt_len=64, computed=63).local  # nothing to load

@@ -7,6 +7,8 @@ check how long the parked reader then takes to see the step.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -24,8 +26,12 @@ VLLM_RECHECK_MS = shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
 
 
 @pytest.fixture
-def queue():
+def queue(monkeypatch):
     """A real one-reader step queue: (writer, reader), as the executor and a worker hold them."""
+    # Its ZeroMQ sockets are files that outlive the queue: keep them in a directory
+    # of ours, short enough for a socket path, and remove it after.
+    sockets = tempfile.mkdtemp(prefix="kvpush-ipc-")
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", sockets)
     writer = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
     handle = writer.export_handle()
     made = {}
@@ -40,6 +46,7 @@ def queue():
     joiner.join()
     yield writer, made["reader"]
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = VLLM_RECHECK_MS
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 class _WorkerLoop:
