@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.vllm import hooks
 from kvpush.vllm.compat import warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
-from kvpush.vllm.groups import has_sliding_window, transfer_groups, window_lost, windows
+from kvpush.vllm.groups import transfer_groups, window_lost, windows
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
@@ -84,7 +84,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._windows = windows(kv_cache_config) if kv_cache_config is not None else ()
         if role == KVConnectorRole.SCHEDULER:
             warn_known_defects(vllm_config)
-            if transfer.kv_role != "kv_consumer" and has_sliding_window(kv_cache_config):
+            if transfer.kv_role != "kv_consumer" and any(self._windows):
                 hooks.keep_window_margin(kv_cache_config)
             cache = vllm_config.cache_config
             self._scheduler = SchedulerSide(

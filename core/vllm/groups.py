@@ -56,13 +56,6 @@ def transfer_groups(kv_cache_config: Any) -> int:
     return len(groups)
 
 
-def has_sliding_window(kv_cache_config: Any) -> bool:
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    return any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
-
-
 def windows(kv_cache_config: Any) -> tuple[int, ...]:
     """Each KV cache group's sliding window in tokens (0: full attention)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()

@@ -15,7 +15,6 @@ from kvpush.errors import ConfigError
 from kvpush.vllm import hooks
 from kvpush.vllm.groups import (
     NULL_BLOCK,
-    has_sliding_window,
     transfer_groups,
     window_lost,
     windows,
@@ -47,8 +46,8 @@ def test_full_and_sliding_window_groups_are_moved_together():
     assert transfer_groups(_config(_full())) == 1
     assert transfer_groups(_config(_full(), _sliding())) == 2
     assert transfer_groups(None) == 1
-    assert has_sliding_window(_config(_full(), _sliding()))
-    assert not has_sliding_window(_config(_full()))
+    assert windows(_config(_full(), _sliding())) == (0, WINDOW)
+    assert windows(_config(_full())) == (0,)
 
 
 def test_recurrent_state_groups_are_refused_naming_the_group():
