@@ -26,23 +26,20 @@ NULL_BLOCK = 0
 
 def transfer_groups(kv_cache_config: Any) -> int:
     """How many KV cache groups a transfer carries (1 without the hybrid manager).
-    ConfigError names a group kvpush cannot move."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
+    ConfigError names a group kvpush cannot move, a lone one too: a pure Mamba
+    model has one group, of recurrent state."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) <= 1:
-        return 1
     sizes = set()
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+        if not _attention_kv(spec):
             raise ConfigError(
                 f"KV cache group {index} ({kind}, layers {group.layer_names[:3]}) is not "
                 "attention KV: kvpush moves full-attention and sliding-window groups only "
                 "(recurrent state such as Mamba's or gated DeltaNet's is not built)"
             )
-        if not getattr(group, "enable_kv_transfer", True):
+        if len(groups) > 1 and not getattr(group, "enable_kv_transfer", True):
             raise ConfigError(
                 f"KV cache group {index} ({kind}) is kept out of KV transfers by vLLM; "
                 "kvpush cannot pair its block positions"
@@ -53,7 +50,21 @@ def transfer_groups(kv_cache_config: Any) -> int:
             f"the KV cache groups have different block sizes {sorted(sizes)}: kvpush moves "
             "hybrid models whose groups share one block size"
         )
-    return len(groups)
+    return max(1, len(groups))
+
+
+def _attention_kv(spec: Any) -> bool:
+    """Full attention (MLA included) or a sliding window, alone or as the one kind of
+    a group whose layers differ only in size."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return all(_attention_kv(inner) for inner in spec.kv_cache_specs.values())
+    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
 
 
 def windows(kv_cache_config: Any) -> tuple[int, ...]:

@@ -54,6 +54,8 @@ def test_recurrent_state_groups_are_refused_naming_the_group():
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
     with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec.*is not attention KV"):
         transfer_groups(_config(_full(), mamba))
+    with pytest.raises(ConfigError, match=r"group 0 \(MambaSpec.*is not attention KV"):
+        transfer_groups(_config(mamba))  # a pure Mamba model: one group, still state
 
 
 def test_groups_of_different_block_sizes_or_kept_out_of_transfers_are_refused():
