@@ -203,6 +203,7 @@ def _router(args: argparse.Namespace) -> int:
         cooldown_s=args.cooldown,
         health_interval_s=args.health_interval,
         keepalive_s=args.keepalive,
+        first_token=args.first_token,
     )
     run(config, args.host, args.port)
     return 0
@@ -271,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--output-tokens", type=int, default=16)
     serve.add_argument(
         "--configs",
-        help="comma-separated, of plain, push, pull, upstream, upstream-push "
-        "(default: all the installed vLLM can run)",
+        help="comma-separated, of plain, push, pull, upstream, upstream-push, "
+        "push-decode-first (default: all the installed vLLM can run)",
     )
     serve.add_argument(
         "--placements",
@@ -421,6 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds an idle connection to an instance is kept; keep it below the "
         "servers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
+    )
+    router.add_argument(
+        "--no-first-token",
+        dest="first_token",
+        action="store_false",
+        help="a streaming client's first token waits for the decode leg, as without "
+        "disaggregation, instead of coming from the prefill leg",
     )
     router.set_defaults(run=_router)
 

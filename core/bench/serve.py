@@ -5,6 +5,9 @@ Each configuration runs in turn on the same machine, model and seeded prompts:
   plain      one vLLM instance, no connector (the baseline every ratio is against)
   push       kvpush prefill + decode behind `kvpush router`, push mode
   pull       the same in pull mode
+  push-decode-first
+             push, the router run with --no-first-token: a streaming client's first
+             token is decode's, not the prefill leg's (docs/routing.md, 3a)
   upstream   vLLM's own NixlConnector prefill + decode, driven the way its toy proxy
              drives them (prefill first, then decode with the prefill's answer)
   upstream-push
@@ -51,7 +54,9 @@ from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
 from kvpush.bench.report import Report
 from kvpush.errors import KVPushError
 
-CONFIGS = ("plain", "push", "pull", "upstream", "upstream-push")
+CONFIGS = ("plain", "push", "pull", "upstream", "upstream-push", "push-decode-first")
+# Where the client's first token is decode's: its TTFT includes the hand-off.
+DECODE_FIRST = ("upstream", "upstream-push", "push-decode-first")
 UPSTREAM = ("upstream", "upstream-push")
 UPSTREAM_PREFILL_ENGINE = "bench-prefill"  # pinned, so decode legs can name it up front
 IDLE_SETTLE_S = 2.0
@@ -152,12 +157,14 @@ class Deployment:
             self._server("plain", None, s.prefill_cpus)
             cluster.start()
             self.target = load.Target(cluster.servers["plain"].url)
-        elif self.config in ("push", "pull"):
-            kv = {**s.kv_extra, "mode": self.config}
+        elif self.config in ("push", "pull", "push-decode-first"):
+            mode = "pull" if self.config == "pull" else "push"
+            kv = {**s.kv_extra, "mode": mode}
             self._server("prefill", "kv_producer", s.prefill_cpus, **kv)
             self._server("decode", "kv_consumer", s.decode_cpus, **kv)
             cluster.start()
-            router = cluster.start_router(["prefill"], ["decode"], mode=self.config)
+            flags = ("--no-first-token",) if self.config == "push-decode-first" else ()
+            router = cluster.start_router(["prefill"], ["decode"], mode=mode, flags=flags)
             self.target = load.Target(router)
         elif self.config == "upstream":
             self._upstream("prefill", "kv_producer", s.prefill_cpus, "NixlConnector")
@@ -291,7 +298,8 @@ def summarize(
 # A disaggregated request's first token, from the client's send to its arrival, in
 # the order its time passes: (label, the span whose mean it is). What the
 # spans do not cover -- decode's first step, the router and HTTP both ways -- is the
-# rest of the client's TTFT.
+# rest of the client's TTFT. Where the first token comes from the prefill leg, its
+# time is prefill's and the router's only.
 TIME_GOES = (
     ("prefill queue", "prefill.queued"),
     ("prefill compute", "prefill.compute"),
@@ -299,7 +307,9 @@ TIME_GOES = (
     ("report", "decode.report"),
     ("resume", "decode.resume"),
 )
+PREFILL_ONLY = 2  # the first two of TIME_GOES
 REST = "decode step, router, HTTP"
+REST_FROM_PREFILL = "router, HTTP"
 
 
 def where_time_goes(cell: Cell) -> dict[str, float]:
@@ -310,12 +320,14 @@ def where_time_goes(cell: Cell) -> dict[str, float]:
         return {}
     mean = sum(cell.ttfts_ms) / len(cell.ttfts_ms)
     spans = {key: phase for summary in cell.spans.values() for key, phase in summary.items()}
-    parts = {label: spans[key]["mean_ms"] for label, key in TIME_GOES if key in spans}
+    decode_first = cell.config in DECODE_FIRST
+    chain = TIME_GOES if decode_first else TIME_GOES[:PREFILL_ONLY]
+    parts = {label: spans[key]["mean_ms"] for label, key in chain if key in spans}
     if not parts:
         return {cell.config: round(mean, 2)}
     # Span means cover requests that reached every milestone; the client's covers all
     # it got an answer for. On a machine this noisy they can disagree by a little.
-    parts[REST] = max(0.0, mean - sum(parts.values()))
+    parts[REST if decode_first else REST_FROM_PREFILL] = max(0.0, mean - sum(parts.values()))
     return {label: round(ms, 2) for label, ms in parts.items()}
 
 
@@ -542,7 +554,7 @@ def _per_cell(plt: Any, cells: list[Cell], draw: Callable[[Any, list[Cell]], Non
 
 def _where_bars(axis: Any, cells: list[Cell]) -> None:
     """A stacked bar per configuration: its mean TTFT, part by part."""
-    labels = [label for label, _ in TIME_GOES] + [REST]
+    labels = [label for label, _ in TIME_GOES] + [REST, REST_FROM_PREFILL]
     names = _configs(cells)
     splits = {n: where_time_goes(next(c for c in cells if c.config == n)) for n in names}
     bottoms = [0.0] * len(names)

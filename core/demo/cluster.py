@@ -111,12 +111,14 @@ class Cluster:
         mode: str = "push",
         timeout_s: float = 120.0,
         name: str = "router",
+        flags: tuple[str, ...] = (),
     ) -> str:
         """Start (or restart) the router `name` in front of the named servers (or of
-        other instances, given as router specs: "http://..."); its URL."""
+        other instances, given as router specs: "http://..."), with more `flags` of
+        `kvpush router`; its URL."""
         port = free_port()
         command = [sys.executable, "-m", "kvpush", "router", "--port", str(port),
-                   "--mode", mode, "--timeout", str(timeout_s)]  # fmt: skip
+                   "--mode", mode, "--timeout", str(timeout_s), *flags]  # fmt: skip
         for flag, servers in (("--prefill", prefill), ("--decode", decode)):
             for server in servers:
                 command += [flag, server if server.startswith("http") else self.router_spec(server)]

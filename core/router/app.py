@@ -2,14 +2,17 @@
 
 Per request: pick a prefill and a decode instance, mint a transfer id, and send both
 legs at once (push) or prefill first (pull). The decode leg's answer, streamed or
-not, is the client's answer. A failed leg cancels the other and gives the client an
-OpenAI-style error; a client that goes away cancels both, which makes vLLM abort
-them, which makes kvpush free their blocks.
+not, is the client's answer; a streaming client's first token comes from the prefill
+leg (early.py). A failed leg cancels the other and gives the client an OpenAI-style
+error; a client that goes away cancels both, which makes vLLM abort them, which
+makes kvpush free their blocks.
 
 One module, past 550 lines: the request path reads top to bottom, from the handler
 through both legs to the error the client gets. The parts that stand alone live
-beside it: instances.py (pools, pairing) and legs.py (what each leg is sent, and the
-OpenAI-style errors).
+beside it: instances.py (pools, pairing), legs.py (what each leg is sent, and the
+OpenAI-style errors), request.py (a request's trace and its legs' failures), sse.py
+(server-sent events), and first_token.py with early.py (the first token from
+prefill).
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from kvpush.errors import KVPushError
 from kvpush.identities import (
     IdentityError,
     InstanceIdentity,
@@ -35,6 +37,8 @@ from kvpush.identities import (
 )
 from kvpush.limits import raise_open_files
 from kvpush.metrics import Metrics
+from kvpush.router import first_token
+from kvpush.router.early import FirstTokenStreams
 from kvpush.router.instances import Instance, Pool, pairing_problem
 from kvpush.router.legs import (
     decode_leg,
@@ -42,6 +46,17 @@ from kvpush.router.legs import (
     openai_error,
     prefill_leg,
 )
+from kvpush.router.request import (
+    ANSWERED,
+    TRACE,
+    LegFailed,
+    Trace,
+    cause,
+    describe,
+    error_event,
+    upstream_message,
+)
+from kvpush.router.sse import first_word, whole_json
 
 log = logging.getLogger(__name__)
 
@@ -53,60 +68,9 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 BACKLOG = 2048
 
 
-# Per-request state kept on the aiohttp request (typed keys where aiohttp has them).
-_RequestKey = getattr(web, "RequestKey", None)
-TRACE: Any = _RequestKey("kvpush_trace", object) if _RequestKey else "kvpush_trace"
-ANSWERED: Any = _RequestKey("kvpush_answered", bool) if _RequestKey else "kvpush_answered"
-
 # Client headers both legs carry: credentials for `--api-key` servers, and the id
 # that ties the client's request to both servers' logs.
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-
-
-class LegFailed(KVPushError):
-    """A leg failed; `status` and `message` are what the client is told. `instance`
-    is the one that failed, if one did (not the client's own request)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "upstream_error",
-        instance: Instance | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.instance = instance
-
-    @property
-    def retryable(self) -> bool:
-        """Another instance might do better: the instance was unreachable or failed
-        on its own (5xx), not refused the client's request (4xx)."""
-        return self.instance is not None and self.status >= 500
-
-
-@dataclass
-class Trace:
-    """One request's milestones at the router (monotonic seconds), for /kvpush/trace
-    and the router's histograms. Join with an instance's trace by transfer id."""
-
-    transfer_id: str = ""
-    marks: dict[str, float] = field(default_factory=lambda: {"received": time.monotonic()})
-
-    def mark(self, milestone: str) -> None:
-        self.marks.setdefault(milestone, time.monotonic())
-
-    def since(self, start: str, end: str) -> float | None:
-        if start in self.marks and end in self.marks:
-            return max(0.0, self.marks[end] - self.marks[start])
-        return None
-
-    def as_dict(self) -> dict[str, Any]:
-        start = self.marks["received"]
-        return {
-            "transfer_id": self.transfer_id,
-            "ms_since_received": {k: round((v - start) * 1e3, 3) for k, v in self.marks.items()},
-        }
 
 
 # Router histograms: (name, from milestone, to milestone).
@@ -131,9 +95,11 @@ class RouterConfig:
     # reused just as the server closes it fails the request ("Server disconnected"),
     # and the health checks, every 5 s, kept the pool's connections idle that long.
     keepalive_s: float = 2.0
+    # A streaming client's first token comes from the prefill leg (first_token.py).
+    first_token: bool = True
 
 
-class Router:
+class Router(FirstTokenStreams):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.prefill = Pool(config.prefill)
@@ -142,6 +108,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.traces: deque[dict[str, Any]] = deque(maxlen=512)
         self._health_task: asyncio.Future | None = None
+        self._draining: set[asyncio.Future] = set()  # decode legs nobody reads (_drain)
 
     # -- application ------------------------------------------------------------------
 
@@ -325,6 +292,9 @@ class Router:
         transfer_id = new_transfer_id()
         trace: Trace = request[TRACE]
         trace.transfer_id = transfer_id
+        early = self.config.first_token and first_token.serves(body)
+        if early:
+            body, trace.seed = first_token.with_seed(body)
         # Only push needs the identity up front; pull learns it from the prefill answer.
         if self.config.mode == "push" and not prefill.ranks and prefill.identity_url:
             try:
@@ -335,7 +305,7 @@ class Router:
         if self.config.mode == "pull" or not prefill.ranks:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
             trace.mark("prefill_sent")
-            leg = prefill_leg(body, transfer_id)
+            leg = (first_token.prefill_leg if early else prefill_leg)(body, transfer_id)
             answer = await self._post_json(prefill, endpoint, leg, headers)
             trace.mark("prefill_answered")
             echo = identity_from_decode_params(answer.get("kv_transfer_params") or {})
@@ -348,9 +318,14 @@ class Router:
             prefill.learn(echo)
             self._refuse_unpairable(prefill, decode)
             leg = decode_leg(body, transfer_id, echo)
+            if early:
+                leg = first_token.decode_leg(leg)
+                done: asyncio.Future = asyncio.get_running_loop().create_future()
+                done.set_result(answer)
+                return await self._relay_early(request, decode, endpoint, leg, headers, done, body)
             return await self._relay(request, decode, endpoint, leg, headers)
         return await self._both_at_once(
-            request, endpoint, body, transfer_id, prefill, decode, headers
+            request, endpoint, body, transfer_id, prefill, decode, headers, early
         )
 
     async def _both_at_once(
@@ -362,9 +337,10 @@ class Router:
         prefill: Instance,
         decode: Instance,
         headers: dict[str, str],
+        early: bool,
     ) -> web.StreamResponse:
         rank, identity = prefill.pick_rank()
-        prefill_leg_body = prefill_leg(body, transfer_id)
+        prefill_leg_body = (first_token.prefill_leg if early else prefill_leg)(body, transfer_id)
         decode_leg_body = decode_leg(body, transfer_id, identity)
         # Data parallel: the decode leg names one DP rank's engine, so the prefill leg
         # must run on that rank, not wherever vLLM's own balancing would put it.
@@ -375,9 +351,17 @@ class Router:
             self._post_json(prefill, endpoint, prefill_leg_body, prefill_headers)
         )
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
-        relay = asyncio.ensure_future(
-            self._relay(request, decode, endpoint, decode_leg_body, headers)
-        )
+        if early:
+            relay = asyncio.ensure_future(
+                self._relay_early(
+                    request, decode, endpoint, first_token.decode_leg(decode_leg_body),
+                    headers, prefill_task, body,
+                )
+            )  # fmt: skip
+        else:
+            relay = asyncio.ensure_future(
+                self._relay(request, decode, endpoint, decode_leg_body, headers)
+            )
         try:
             done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
@@ -413,13 +397,13 @@ class Router:
                 text = await response.text()
                 if response.status >= 400:
                     self.metrics.inc("leg_failures", leg=instance.role, why=str(response.status))
-                    message = _upstream_message(instance, text)
+                    message = upstream_message(instance, text)
                     raise LegFailed(response.status, message, instance=instance)
                 return json.loads(text)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.metrics.inc("leg_failures", leg=instance.role, why=_why(exc))
+            self.metrics.inc("leg_failures", leg=instance.role, why=cause(exc))
             instance.forget()  # it may come back as a new incarnation: ask again
-            message = f"{instance.role} instance {instance.url} failed: {_describe(exc)}"
+            message = f"{instance.role} instance {instance.url} failed: {describe(exc)}"
             raise LegFailed(502, message, instance=instance) from exc
 
     async def _relay(
@@ -429,24 +413,28 @@ class Router:
         endpoint: str,
         leg: dict[str, Any],
         headers: dict[str, str],
+        posted: asyncio.Future | None = None,
     ) -> web.StreamResponse:
-        """Send the decode leg and pass its answer through, streamed if it streams."""
+        """Send the decode leg (unless `posted` has) and pass its answer through,
+        streamed if it streams."""
         trace: Trace = request[TRACE]
         trace.mark("decode_sent")
         stream: web.StreamResponse | None = None
+        if posted is None:
+            posted = asyncio.ensure_future(
+                self._http().post(decode.url + endpoint, json=leg, headers=headers)
+            )
         try:
-            async with self._http().post(
-                decode.url + endpoint, json=leg, headers=headers
-            ) as response:
+            async with await posted as response:
                 if response.status >= 400:
                     text = (await response.read()).decode(errors="replace")
                     self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
-                    message = _upstream_message(decode, text)
+                    message = upstream_message(decode, text)
                     failure = LegFailed(response.status, message, instance=decode)
                     raise await self._kvpush_reason(decode, leg, failure)
                 if not leg.get("stream"):
                     payload = await response.read()
-                    if not _whole_json(payload):
+                    if not whole_json(payload):
                         # Headers came, then the connection ended: a decode that died
                         # mid-answer. Passing the stub on would be a 200 with no answer.
                         self.metrics.inc("leg_failures", leg="decode", why="cut_short")
@@ -464,13 +452,13 @@ class Router:
                 head = b""
                 async for chunk in chunks:
                     head += chunk
-                    if (word := _first_word(head)) is not None:
+                    if (word := first_word(head)) is not None:
                         break
                 else:
                     word = None
                 if word and "error" in word:
                     self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                    raise await self._kvpush_reason(decode, leg, _error_event(decode, word))
+                    raise await self._kvpush_reason(decode, leg, error_event(decode, word))
                 trace.mark("first_byte")
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
@@ -484,9 +472,19 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
             if stream is not None:
                 return self._stream_cut(stream, decode, endpoint, exc)
-            self.metrics.inc("leg_failures", leg="decode", why=_why(exc))
-            message = f"decode instance {decode.url} failed: {_describe(exc)}"
+            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
+            message = f"decode instance {decode.url} failed: {describe(exc)}"
             raise LegFailed(502, message, instance=decode) from exc
+
+    async def _refused(
+        self, decode: Instance, leg: dict[str, Any], response: aiohttp.ClientResponse
+    ) -> LegFailed:
+        """A decode leg answered with an error status: the failure, with kvpush's
+        reason if kvpush failed it."""
+        text = (await response.read()).decode(errors="replace")
+        self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
+        failure = LegFailed(response.status, upstream_message(decode, text), instance=decode)
+        return await self._kvpush_reason(decode, leg, failure)
 
     def _stream_cut(
         self, stream: web.StreamResponse, decode: Instance, endpoint: str, exc: BaseException
@@ -499,7 +497,7 @@ class Router:
             asyncio.TimeoutError,
         )
         if isinstance(exc, upstream):
-            self.metrics.inc("leg_failures", leg="decode", why=_why(exc))
+            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
             log.warning("kvpush router: decode %s broke off a stream: %s", decode.url, exc)
         else:
             self.metrics.inc("client_disconnects", endpoint=endpoint)
@@ -609,73 +607,6 @@ class Router:
 
 def _forwarded(request: web.Request) -> dict[str, str]:
     return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
-
-
-def _why(exc: BaseException) -> str:
-    return "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable"
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "no answer within the idle timeout"
-    return str(exc) or type(exc).__name__
-
-
-def _whole_json(payload: bytes) -> bool:
-    """Whether a non-streamed answer arrived whole: one JSON object."""
-    try:
-        return isinstance(json.loads(payload), dict)
-    except ValueError:
-        return False
-
-
-def _first_word(head: bytes) -> dict[str, Any] | None:
-    """The first complete event of a stream's head that is more than chat's role
-    preamble: output, an error, or the end ({} for [DONE] or what is not JSON); None
-    while no such event has arrived in full."""
-    for block in head.split(b"\n\n")[:-1]:
-        for line in block.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            try:
-                event = json.loads(payload) if payload != b"[DONE]" else {}
-            except ValueError:
-                return {}  # not ours to judge: pass it on
-            if not isinstance(event, dict):
-                return {}
-            if not _role_only(event):
-                return event
-    return None
-
-
-def _role_only(event: dict[str, Any]) -> bool:
-    """Chat's first chunk: every choice's delta names the role and says nothing yet.
-    vLLM sends it before the engine has run, so it proves nothing about the leg."""
-    choices = event.get("choices")
-    return bool(choices) and all(
-        isinstance(c, dict)
-        and "delta" in c
-        and not c.get("finish_reason")
-        and {k for k, v in (c.get("delta") or {}).items() if v} <= {"role"}
-        for c in choices
-    )
-
-
-def _error_event(decode: Instance, event: dict[str, Any]) -> LegFailed:
-    """A decode stream whose first word is an error (vLLM's bare "Internal server
-    error" for a KV load that failed): the leg failed, as if it had said so by status."""
-    code = event["error"].get("code") if isinstance(event["error"], dict) else None
-    status = code if isinstance(code, int) and 400 <= code < 600 else 502
-    return LegFailed(status, _upstream_message(decode, json.dumps(event)), instance=decode)
-
-
-def _upstream_message(instance: Instance, text: str) -> str:
-    try:
-        detail = json.loads(text).get("error", {}).get("message") or text
-    except (ValueError, AttributeError):
-        detail = text
-    return f"{instance.role} instance {instance.url}: {str(detail)[:500]}"
 
 
 def run(config: RouterConfig, host: str, port: int) -> None:

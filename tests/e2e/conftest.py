@@ -46,8 +46,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
-def perturbed_copy(model: Path, target: Path) -> Path:
-    """The same model with other K and V projections: its KV is wrong for `model`."""
+def perturbed_copy(model: Path, target: Path, head: bool = False) -> Path:
+    """The same model with other K and V projections: its KV is wrong for `model`.
+    With `head`, its output head differs too: it samples other tokens from one KV."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -55,7 +56,7 @@ def perturbed_copy(model: Path, target: Path) -> Path:
     weights = load_file(str(model / "model.safetensors"))
     generator = torch.Generator().manual_seed(1234)
     for name, tensor in weights.items():
-        if "k_proj" in name or "v_proj" in name:
+        if "k_proj" in name or "v_proj" in name or (head and "lm_head" in name):
             weights[name] = tensor + torch.randn(tensor.shape, generator=generator) * 0.08
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
@@ -237,3 +238,86 @@ def assert_shared_prefixes_match(client: Client, single: str, router: str, seed:
         if client.tokens(router, tokens) != client.tokens(single, tokens):
             wrong.append(len(tokens))
     assert not wrong, f"prompt lengths whose output differs from a plain instance: {wrong}"
+
+
+def streamed(client: Client, url: str, path: str, body: dict) -> dict:
+    """A stream as its client reads it: per choice the text, token ids, logprobs and
+    finish; the closing usage; how many role chunks; and whether any event was an
+    error."""
+    choices: dict[int, dict] = {}
+    usage, roles, errors = None, 0, 0
+    with client.http.stream("POST", url + path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            errors += "error" in event
+            if event.get("usage") and not event.get("choices"):
+                usage = {k: event["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+            for c in event.get("choices") or []:
+                got = choices.setdefault(c["index"], {"text": "", "ids": [], "logprobs": [],
+                                                      "finish": None})  # fmt: skip
+                delta = c.get("delta") or {}
+                roles += "role" in delta
+                got["text"] += c.get("text") or delta.get("content") or ""
+                got["ids"] += c.get("token_ids") or []
+                logprobs = c.get("logprobs") or {}
+                values = [e["logprob"] for e in logprobs.get("content") or []] or (
+                    logprobs.get("token_logprobs") or []
+                )
+                got["logprobs"] += [round(v, 3) for v in values]
+                if c.get("finish_reason"):
+                    got["finish"] = (c["finish_reason"], c.get("stop_reason"))
+    return {"choices": choices, "usage": usage, "roles": roles, "errors": errors}
+
+
+def assert_streams_match(client: Client, single: str, router: str, seed: int) -> None:
+    """Every streamed request shape answers through the router, whose first token
+    comes from the prefill leg (n > 1 aside: relayed), as a plain instance answers
+    it: token for token, with logprobs, finishes, usage and chat's role chunks."""
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    messages = [{"role": "user", "content": f"push the kv cache {seed}"}]
+    ids = {"return_token_ids": True, "stream_options": {"include_usage": True}}
+    first = client.complete(single, prompt(60, seed), max_tokens=1).json()["choices"][0]["text"]
+    shapes = {
+        "greedy": (completions, {"prompt": prompt(300, seed + 1), "ignore_eos": True}),
+        "greedy, ids, usage": (completions, {"prompt": prompt(129, seed + 2), **ids}),
+        "seeded n=3": (completions, {"prompt": prompt(200, seed + 3), "temperature": 1.0,
+                                     "seed": 5, "n": 3, **ids}),
+        "logprobs": (completions, {"prompt": prompt(90, seed + 4), "logprobs": 2}),
+        "max_tokens 1": (completions, {"prompt": prompt(150, seed + 5), "max_tokens": 1, **ids}),
+        "min_tokens": (completions, {"prompt": prompt(150, seed + 6), "min_tokens": 4}),
+        "list of prompts": (completions, {"prompt": [prompt(40, seed + 7),
+                                                     prompt(270, seed + 8)], **ids}),
+        "a stop at token 1": (completions, {"prompt": prompt(60, seed), "stop": [first[:3]],
+                                            **ids}),
+        "chat": (chat, {"messages": messages}),
+        "chat seeded, logprobs, usage": (chat, {"messages": messages, "temperature": 0.8,
+                                                "seed": 12, "logprobs": True, "top_logprobs": 2,
+                                                **ids}),
+        "chat seeded n=2, logprobs, usage": (chat, {"messages": messages, "temperature": 0.8,
+                                                    "seed": 11, "n": 2, "logprobs": True,
+                                                    "top_logprobs": 2, **ids}),
+        "chat max_completion_tokens 1": (chat, {"messages": messages, "max_completion_tokens": 1,
+                                                "stream_options": {"include_usage": True}}),
+    }  # fmt: skip
+    assert first[:3], "the stop shape needs a first token with text"
+    wrong = []
+    for name, (path, shape) in shapes.items():
+        body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, **shape}
+        ours, theirs = streamed(client, router, path, body), streamed(client, single, path, body)
+        if ours != theirs or not theirs["choices"]:
+            wrong.append((name, ours, theirs))
+    assert not wrong, f"streamed shapes that differ from a plain instance: {wrong}"
+
+
+def assert_unseeded_stream_is_its_seed(client: Client, single: str, router: str) -> None:
+    """An unseeded sampled stream: the router gave both legs one seed (its trace says
+    which), and the stream is what a plain instance streams with that seed."""
+    body = {"model": MODEL_NAME, "prompt": prompt(220, 77), "max_tokens": 10,
+            "temperature": 1.0, "return_token_ids": True}  # fmt: skip
+    ours = streamed(client, router, "/v1/completions", body)
+    seed = client.http.get(router + "/kvpush/trace?last=1").json()[-1]["seed"]
+    theirs = streamed(client, single, "/v1/completions", {**body, "seed": seed})
+    assert ours == theirs and len(ours["choices"][0]["ids"]) == 10

@@ -7,6 +7,8 @@ from conftest import (
     DECODE_TIMERS,
     assert_request_shapes_match,
     assert_shared_prefixes_match,
+    assert_streams_match,
+    assert_unseeded_stream_is_its_seed,
     extra_pair,
     perturbed_copy,
     prompt,
@@ -48,6 +50,18 @@ def test_pull_n_list_prompts_min_tokens_and_logprobs_equal_a_single_instance(
     cluster, pull_pair, client
 ):
     assert_request_shapes_match(client, cluster.servers["single"].url, pull_pair)
+    _pull_drained(cluster, client)
+
+
+def test_pull_streams_take_their_first_token_from_prefill_and_equal_a_single_instance(
+    cluster, pull_pair, client
+):
+    single = cluster.servers["single"].url
+    assert_streams_match(client, single, pull_pair, seed=600)
+    assert_unseeded_stream_is_its_seed(client, single, pull_pair)
+    assert client.metric(pull_pair, "kvpush_first_token_unusable_total") == 0
+    # Three shapes end at their first token: decode's legs were read to their end.
+    assert client.metric(pull_pair, "kvpush_decode_legs_drained_total") >= 3
     _pull_drained(cluster, client)
 
 

@@ -19,9 +19,12 @@ from conftest import (
     Client,
     assert_request_shapes_match,
     assert_shared_prefixes_match,
+    assert_streams_match,
+    assert_unseeded_stream_is_its_seed,
     extra_pair,
     perturbed_copy,
     prompt,
+    streamed,
 )
 
 from kvpush.bench.cpu import tree_cpu_seconds
@@ -90,10 +93,46 @@ def test_streaming_and_chat_equal_a_single_instance(cluster, router, client):
     assert models["data"][0]["id"] == MODEL_NAME
 
 
+def test_every_streamed_shape_takes_its_first_token_from_prefill_and_equals_a_single_instance(
+    cluster, router, client
+):
+    single = cluster.servers["single"].url
+    before = client.metric(router, "kvpush_first_token_unusable_total")
+    assert_streams_match(client, single, router, seed=500)
+    assert_unseeded_stream_is_its_seed(client, single, router)
+    assert client.metric(router, "kvpush_first_token_unusable_total") == before
+    # Three shapes end at their first token: decode's legs were read to their end.
+    assert client.metric(router, "kvpush_decode_legs_drained_total") >= 3
+    assert client.metric(router, "kvpush_first_token_divergences_total") == 0
+    _both_drained(cluster, client)
+
+
+def _a_diverged_first_token_is_continued_from(cluster, router, client) -> None:
+    """Prefill's other weights sample another first token than decode: the client
+    has prefill's, so the stream goes on from it (decode's continuation of prompt
+    plus that token), never from decode's own first token."""
+    other = cluster.servers["prefill_other_kv"].url
+    decode = cluster.servers["decode"].url
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    diverged = 0
+    for n in (256, 384, 512):
+        tokens = prompt(n, 3000 + n)
+        before = client.metric(router, "kvpush_first_token_divergences_total")
+        ids = streamed(client, router, "/v1/completions", {**body, "prompt": tokens})
+        ids = ids["choices"][0]["ids"]
+        assert len(ids) == 6 and ids[0] == client.tokens(other, tokens, 1)[0]
+        if client.metric(router, "kvpush_first_token_divergences_total") > before:
+            diverged += 1
+            assert ids[1:] == client.tokens(decode, tokens + ids[:1], 5)
+    assert diverged, "no first token diverged: the continuation went untested"
+
+
 @pytest.fixture
 def other_kv_router(cluster):
     """A router in front of a prefill whose K/V weights differ, and the same decode."""
-    wrong = perturbed_copy(cluster.model, cluster.workdir / "model-other-kv")
+    # Its head differs too: its first tokens are not decode's (the continuation test).
+    wrong = perturbed_copy(cluster.model, cluster.workdir / "model-other-kv", head=True)
     cluster.add_server("prefill_other_kv", "kv_both", core=0, model=wrong, **PREFILL_TIMERS)
     try:
         cluster.start("prefill_other_kv")
@@ -116,6 +155,7 @@ def test_prefill_with_other_kv_weights_changes_decode_output(cluster, other_kv_r
     assert changed == spanning, (
         f"decode ignored the pushed KV for lengths {set(spanning) - set(changed)}"
     )
+    _a_diverged_first_token_is_continued_from(cluster, router, client)
     # The same through sequential legs with no transfer id (the prefill instance names it).
     other = cluster.servers["prefill_other_kv"].url
     tokens = prompt(300, 2500)

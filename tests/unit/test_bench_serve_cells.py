@@ -64,16 +64,20 @@ def test_the_mean_ttft_splits_into_the_spans_in_order_and_the_rest():
             decode_handoff=1.0, decode_report=1.5, decode_resume=0.5, decode_queued=9.0
         ),
     }
-    split = serve.where_time_goes(_cell("push", 30.0, spans))
+    split = serve.where_time_goes(_cell("push-decode-first", 30.0, spans))
     assert list(split) == ["prefill queue", "prefill compute", "hand-off", "report", "resume",
                            serve.REST]  # fmt: skip
     assert split[serve.REST] == 5.0 and sum(split.values()) == 30.0
+    # The first token from the prefill leg: the hand-off is off its path.
+    split = serve.where_time_goes(_cell("push", 25.0, spans))
+    assert list(split) == ["prefill queue", "prefill compute", serve.REST_FROM_PREFILL]
+    assert split[serve.REST_FROM_PREFILL] == 3.0
 
 
 def test_a_configuration_without_spans_is_one_part_and_the_rest_is_never_negative():
     assert serve.where_time_goes(_cell("plain", 21.0)) == {"plain": 21.0}
     spans = {"prefill": _spans(prefill_compute=50.0)}  # spans outlasting the client's mean
-    assert serve.where_time_goes(_cell("push", 30.0, spans))[serve.REST] == 0.0
+    assert serve.where_time_goes(_cell("push", 30.0, spans))[serve.REST_FROM_PREFILL] == 0.0
     assert serve.where_time_goes(serve.summarize(
         "push", "pinned", 64, 1.0, [Outcome(False, error="x")], None, 1.0, SETTINGS, {}, {}
     )) == {}  # fmt: skip

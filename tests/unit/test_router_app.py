@@ -44,6 +44,7 @@ class Fake:
     async def start(self) -> Fake:
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/health", _healthy)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()

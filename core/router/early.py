@@ -1,0 +1,218 @@
+"""The router's streaming path where the client's first token comes from the
+prefill leg: its I/O (first_token.py holds what each leg is sent and how decode's
+events are edited).
+
+`FirstTokenStreams` is a part of `Router` (app.py), kept here so that app.py reads
+as the one request path: it uses the router's HTTP session, metrics, decode pool
+and failure handling as its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.router import first_token
+from kvpush.router.instances import Instance
+from kvpush.router.legs import openai_error
+from kvpush.router.request import (
+    ANSWERED,
+    TRACE,
+    LegFailed,
+    Trace,
+    cause,
+    describe,
+    error_event,
+    upstream_message,
+)
+from kvpush.router.sse import encode, events
+
+if TYPE_CHECKING:
+    from kvpush.router.app import Router
+
+log = logging.getLogger(__name__)
+
+
+class FirstTokenStreams:
+    """Router methods for streams whose first token is the prefill leg's."""
+
+    async def _relay_early(
+        self: Router,
+        request: web.Request,
+        decode: Instance,
+        endpoint: str,
+        leg: dict[str, Any],
+        headers: dict[str, str],
+        prefill_answer: asyncio.Future,
+        body: dict[str, Any],
+    ) -> web.StreamResponse:
+        """The decode leg, streamed, behind prefill's first token (first_token.py):
+        the client is answered when prefill answers, without waiting for decode at
+        all, and gets decode's stream from its second token on. The prefill leg has
+        validated the client's parameters by then, so a decode leg that fails later
+        has failed on its own: each unfinished choice continues from the tokens the
+        client has, on another decode instance if there is one."""
+        trace: Trace = request[TRACE]
+        chat = endpoint.endswith("/chat/completions")
+        trace.mark("decode_sent")
+        posted = asyncio.ensure_future(
+            self._http().post(decode.url + endpoint, json=leg, headers=headers)
+        )
+        try:
+            answer = await prefill_answer
+            opening = first_token.opening(answer, body, chat)
+            if opening is None:
+                self.metrics.inc("first_token_unusable")
+                return await self._relay(request, decode, endpoint, leg, headers, posted)
+            if posted.done() and not posted.exception() and posted.result().status >= 400:
+                raise await self._refused(decode, leg, posted.result())  # still retryable
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+            request[ANSWERED] = True
+            for event in opening.events:
+                await stream.write(encode(event))
+            trace.mark("first_byte")
+            usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
+            edit = first_token.DecodeEdit(
+                opening, chat, bool(body.get("return_token_ids")), usage_asked
+            )
+            why = None
+            if edit.unfinished():
+                why = await self._edited(stream, posted, decode, leg, body, edit, headers)
+            else:
+                posted = self._drain(posted)
+            if why is not None:
+                await self._recover(stream, decode, body, edit, headers, why)
+            if edit.usage_asked:
+                await stream.write(encode(edit.usage()))
+            await stream.write(b"data: [DONE]\n\n")
+            await stream.write_eof()
+            self.metrics.inc("requests", endpoint=endpoint, status="200")
+            return stream
+        finally:
+            # Closing the decode leg's connection makes vLLM abort it, if it runs still.
+            posted.cancel()
+            if posted.done() and not posted.cancelled() and not posted.exception():
+                posted.result().close()
+
+    async def _edited(
+        self: Router,
+        stream: web.StreamResponse,
+        posted: asyncio.Future,
+        decode: Instance,
+        leg: dict[str, Any],
+        body: dict[str, Any],
+        edit: first_token.DecodeEdit,
+        headers: dict[str, str],
+    ) -> str | None:
+        """Decode's events through `edit` to the client, diverged choices continued
+        beside them; None when decode's stream ended whole, else why it did not."""
+        continuations: list[asyncio.Future] = []
+        why = None
+        try:
+            response = await posted
+            if response.status >= 400:
+                why = (await self._refused(decode, leg, response)).message
+            else:
+                async for event in events(response.content):
+                    if "error" in event:
+                        self.metrics.inc("leg_failures", leg="decode", why="error_event")
+                        failure = error_event(decode, event)
+                        why = (await self._kvpush_reason(decode, leg, failure)).message
+                        break
+                    out, diverged = edit.edit(event)
+                    for index in diverged:
+                        self.metrics.inc("first_token_divergences")
+                        continuations.append(
+                            asyncio.ensure_future(
+                                self._continue(stream, decode, body, edit, index, headers)
+                            )
+                        )
+                    if out is not None:
+                        await stream.write(encode(out))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ConnectionResetError):
+                raise  # the client went away
+            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
+            self._eject(decode, "leg_failed")
+            why = f"decode instance {decode.url} failed: {describe(exc)}"
+        try:
+            await asyncio.gather(*continuations)
+        finally:
+            for task in continuations:
+                task.cancel()
+        return why if edit.unfinished() else None
+
+    async def _recover(
+        self: Router,
+        stream: web.StreamResponse,
+        failed: Instance,
+        body: dict[str, Any],
+        edit: first_token.DecodeEdit,
+        headers: dict[str, str],
+        why: str,
+    ) -> None:
+        """The client holds the start of the answer: each unfinished choice goes on
+        from there, on another decode instance where there is one."""
+        log.warning("kvpush router: continuing a stream elsewhere: %s", why)
+        self.metrics.inc("stream_continuations")
+        target = self.decode.pick(avoid=failed)
+        await asyncio.gather(
+            *(self._continue(stream, target, body, edit, i, headers) for i in edit.unfinished())
+        )
+
+    async def _continue(
+        self: Router,
+        stream: web.StreamResponse,
+        decode: Instance,
+        body: dict[str, Any],
+        edit: first_token.DecodeEdit,
+        index: int,
+        headers: dict[str, str],
+    ) -> None:
+        """One choice, continued on `decode` from its prompt plus the tokens the client
+        has. If that fails too, the client is told in the stream."""
+        state = edit.choices[index]
+        leg = first_token.continuation_leg(body, state.first.prompt, state.had, edit.chat)
+        try:
+            async with self._http().post(
+                decode.url + "/v1/completions", json=leg, headers=headers
+            ) as response:
+                if response.status >= 400:
+                    text = (await response.read()).decode(errors="replace")
+                    raise LegFailed(response.status, upstream_message(decode, text))
+                async for event in events(response.content):
+                    out = edit.continued(index, event)
+                    if out is not None:
+                        await stream.write(encode(out))
+        except (aiohttp.ClientError, asyncio.TimeoutError, LegFailed) as exc:
+            if isinstance(exc, ConnectionResetError):
+                raise  # the client went away
+            message = exc.message if isinstance(exc, LegFailed) else describe(exc)
+            failure = f"choice {index} could not be continued on {decode.url}: {message}"
+            await stream.write(encode(openai_error(failure, "upstream_error", 502)))
+
+    def _drain(self, posted: asyncio.Future) -> asyncio.Future:
+        """Every choice ended at its first token, so the client needs nothing from
+        decode; but its leg runs on, unread, to its end: an abort before decode
+        claimed the KV would leave prefill holding it for its whole lease. Decode
+        computes one token for it. Returns a finished future for the caller to let go."""
+
+        async def drain() -> None:
+            try:
+                async with await posted as response:
+                    await response.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+
+        task = asyncio.ensure_future(drain())
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+        self.metrics.inc("decode_legs_drained")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        done.cancel()
+        return done

@@ -1,0 +1,384 @@
+"""A streaming client's first token, taken from the prefill leg.
+
+The prefill leg samples one token anyway. Given the client's sampling parameters and
+the decode leg's seed, it is the token decode samples first, so the router streams
+it as soon as prefill answers, and from decode's stream relays the rest: the client's
+first token no longer waits for the hand-off and decode's first step.
+
+Decode's own first token is checked against prefill's, per choice. They differ only
+where the two engines' logits differ in their last bits at a near tie (or a sampling
+draw falls on a boundary). The client already holds prefill's token, so such a
+choice is not taken from decode's stream: it continues from a request of its own,
+prompt plus that token (decode's prefix cache holds the prompt's KV by then).
+
+Everything here is a function of JSON: what each leg is sent, the client's opening
+events, and `DecodeEdit`, which takes decode's events and says what the client gets.
+The router (app.py) does the I/O. What it does not serve this way is relayed as
+before: `n` > 1 (see `serves`), beam search, `echo`, prompt logprobs, tools (a
+tool parser would read the first token differently streamed than whole), and an
+answer not shaped as expected.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.router.legs import GENERATION_ONLY
+
+# Fields of the client's body that keep a request on the relay-only path.
+NOT_SERVED = ("use_beam_search", "echo", "prompt_logprobs", "tools")
+
+
+def serves(body: dict[str, Any]) -> bool:
+    """Whether a request's first token can come from its prefill leg."""
+    if not body.get("stream"):
+        return False
+    if any(body.get(key) for key in NOT_SERVED):
+        return False
+    # n > 1 makes several engine requests of one prompt: on decode, the siblings of
+    # the first read its KV from the prefix cache; a prefill leg of n would compute
+    # KV for each, which no decode request claims.
+    return body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
+
+
+def with_seed(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The body both legs are built from: the client's seed, or one minted here so
+    that both legs sample alike (returned, for the trace). A client's null seed is
+    no seed."""
+    if body.get("seed") is not None:
+        return body, None
+    seed = secrets.randbelow(2**31)
+    return {**body, "seed": seed}, seed
+
+
+def prefill_leg(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The client's request for one token, not streamed: every field that shapes the
+    first token kept (sampling, seed, logprobs, n, stops, bias, grammar)."""
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    leg.pop("max_completion_tokens", None)
+    leg["max_tokens"] = 1
+    if leg.get("min_tokens"):
+        leg["min_tokens"] = 1  # still no end of sequence as the first token
+    leg["return_token_ids"] = True
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return leg
+
+
+def one_token_limit(body: dict[str, Any]) -> bool:
+    """Whether the client asked for one token only: then prefill's is the answer."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return limit == 1
+
+
+@dataclass
+class First:
+    """One choice's first token as prefill sampled it."""
+
+    token: int
+    text: str
+    prompt: list[int]
+    finished: bool  # the choice ends at its first token (a stop, or max_tokens 1)
+
+
+@dataclass
+class Opening:
+    """What the client is sent before decode says anything, and what it was told."""
+
+    events: list[dict[str, Any]]
+    firsts: dict[int, First]
+    prompt_tokens: int
+
+
+def opening(answer: dict[str, Any], body: dict[str, Any], chat: bool) -> Opening | None:
+    """The client's first events from prefill's whole answer, as vLLM would have
+    streamed them; None where the answer is not what this path can stand on."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return None
+    wants_ids = bool(body.get("return_token_ids"))
+    head = {
+        "id": answer.get("id"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": answer.get("created"),
+        "model": answer.get("model"),
+    }
+    roles, tokens, firsts = [], [], {}
+    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+        first = _first(choice, answer, body, chat)
+        if first is None:
+            return None
+        index = choice.get("index", 0)
+        firsts[index] = first
+        finish = choice.get("finish_reason") if first.finished else None
+        stop = choice.get("stop_reason") if first.finished else None
+        ids = [first.token] if wants_ids else None
+        if chat:
+            role = {"index": index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}  # fmt: skip
+            prompt_ids = first.prompt if wants_ids else None
+            roles.append({**head, "choices": [role], "prompt_token_ids": prompt_ids,
+                          "prompt_text": None})  # fmt: skip
+            delta = {"index": index, "delta": {"content": first.text},
+                     "logprobs": choice.get("logprobs"), "finish_reason": finish,
+                     "token_ids": ids}  # fmt: skip
+            if first.finished:
+                delta["stop_reason"] = stop
+            tokens.append({**head, "choices": [delta]})
+        else:
+            text = {"index": index, "text": first.text, "logprobs": choice.get("logprobs"),
+                    "finish_reason": finish, "stop_reason": stop,
+                    "prompt_token_ids": first.prompt if wants_ids else None,
+                    "token_ids": ids}  # fmt: skip
+            tokens.append({**head, "choices": [text]})
+    usage = answer.get("usage") or {}
+    prompt_tokens = usage.get("prompt_tokens")
+    if not isinstance(prompt_tokens, int):
+        return None
+    return Opening(roles + tokens, firsts, prompt_tokens)
+
+
+def _first(choice: Any, answer: dict[str, Any], body: dict[str, Any], chat: bool) -> First | None:
+    if not isinstance(choice, dict):
+        return None
+    ids = choice.get("token_ids")
+    if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int)):
+        return None
+    if chat:
+        message = choice.get("message") or {}
+        said = {k for k, v in message.items() if v and k not in ("role", "content")}
+        if said:  # tool calls, reasoning: what a parser made of the token, not text
+            return None
+        text, prompt = message.get("content") or "", answer.get("prompt_token_ids")
+    else:
+        text, prompt = choice.get("text") or "", choice.get("prompt_token_ids")
+    if not isinstance(prompt, list):
+        return None
+    finished = choice.get("finish_reason") == "stop" or one_token_limit(body)
+    return First(ids[0], text, prompt, finished)
+
+
+def decode_leg(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as decode gets it here: token ids on, to check against
+    prefill's and to count (the client sees them only if it asked)."""
+    return {**body, "return_token_ids": True}
+
+
+def continuation_leg(
+    body: dict[str, Any], prompt: list[int], had: list[int], chat: bool
+) -> dict[str, Any]:
+    """A choice's own request from the tokens the client has (`had`): its prompt plus
+    those, the rest to generate, on the completions endpoint (it takes token ids)."""
+    leg = {k: v for k, v in body.items() if k in GENERATION_ONLY or k == "model"}
+    for key in ("n", "best_of", "echo", "prompt_logprobs", "max_completion_tokens",
+                "logprobs", "top_logprobs", "response_format", "structured_outputs"):  # fmt: skip
+        leg.pop(key, None)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(limit, int):
+        leg["max_tokens"] = max(1, limit - len(had))
+    if body.get("min_tokens"):
+        leg["min_tokens"] = max(0, body["min_tokens"] - len(had))
+    if chat and body.get("logprobs"):
+        leg["logprobs"] = body.get("top_logprobs") or 0
+    elif not chat and body.get("logprobs") is not None:
+        leg["logprobs"] = body["logprobs"]
+    leg.update(prompt=[*prompt, *had], stream=True, return_token_ids=True)
+    leg["stream_options"] = {"include_usage": False}
+    return leg
+
+
+@dataclass
+class _Choice:
+    first: First
+    owed: str  # prefill's text that decode has not yet streamed itself
+    had: list[int]  # the token ids the client has
+    checked: bool = False  # decode's first token seen and equal
+    ended: bool = False  # decode said it finished
+    elsewhere: bool = False  # continued by a request of its own
+
+
+@dataclass
+class DecodeEdit:
+    """Decode's stream as the client gets it after the opening. `edit` takes one event
+    and returns the event to send (None: nothing) and the choices that diverged with
+    it; `usage` rewrites the closing usage with the tokens the client really got."""
+
+    opening: Opening
+    chat: bool
+    wants_ids: bool
+    usage_asked: bool = False
+    choices: dict[int, _Choice] = field(init=False)
+    closing: dict[str, Any] | None = field(init=False, default=None)  # decode's usage event
+
+    def __post_init__(self) -> None:
+        self.choices = {
+            i: _Choice(f, f.text, [f.token], ended=f.finished)
+            for i, f in self.opening.firsts.items()
+        }
+        first = self.opening.events[0] if self.opening.events else {}
+        self.head = {k: first[k] for k in ("id", "created") if k in first}
+
+    def edit(self, event: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
+        if "error" in event or not isinstance(event.get("choices"), list):
+            return event, []
+        if not event["choices"] and event.get("usage"):
+            self.closing = event  # sent last, counted again: see usage()
+            return None, []
+        event = {**event, **self.head}
+        if not self.wants_ids and "prompt_token_ids" in event:
+            event["prompt_token_ids"] = None
+        kept, diverged = [], []
+        for choice in event["choices"]:
+            state = self.choices.get(choice.get("index", 0)) if isinstance(choice, dict) else None
+            if state is None:  # an answer this path could not stand on: relayed
+                if isinstance(choice, dict) and not self.wants_ids:
+                    choice = {**choice, "token_ids": None}
+                    if "prompt_token_ids" in choice:
+                        choice["prompt_token_ids"] = None
+                kept.append(choice)
+                continue
+            if state.ended or state.elsewhere:
+                continue
+            edited = self._edit_choice(state, copy.deepcopy(choice))
+            if edited is _DIVERGED:
+                state.elsewhere = True
+                diverged.append(choice.get("index", 0))
+            elif edited is not None:
+                kept.append(edited)
+        if not kept and not event.get("usage"):
+            return None, diverged
+        return {**event, "choices": kept}, diverged
+
+    def _edit_choice(self, state: _Choice, choice: dict[str, Any]) -> Any:
+        ids = choice.get("token_ids") or []
+        logprobs = choice.get("logprobs")
+        if ids and not state.checked:
+            if ids[0] != state.first.token:
+                return _DIVERGED
+            state.checked = True
+            ids = ids[1:]
+            logprobs = _drop_first(logprobs, self.chat)
+        text = self._text(choice)
+        if state.owed:
+            if text.startswith(state.owed):
+                text, state.owed = text[len(state.owed) :], ""
+            elif state.owed.startswith(text):
+                text, state.owed = "", state.owed[len(text) :]
+            else:
+                return _DIVERGED
+        if self.chat:
+            delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "role"}
+            delta["content"] = text
+            choice["delta"] = delta
+            said = any(v for k, v in delta.items() if k != "content")
+        else:
+            choice["text"] = text
+            if not self.wants_ids:
+                choice["prompt_token_ids"] = None
+            said = False
+        choice["logprobs"] = logprobs
+        choice["token_ids"] = ids if self.wants_ids else None
+        state.had += ids
+        state.ended = bool(choice.get("finish_reason"))
+        if not (text or ids or said or state.ended):
+            return None
+        return choice
+
+    def _text(self, choice: dict[str, Any]) -> str:
+        if self.chat:
+            return (choice.get("delta") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+    def unfinished(self) -> list[int]:
+        """The choices neither ended nor continued elsewhere: what a decode leg that
+        broke off leaves to continue."""
+        return [i for i, c in self.choices.items() if not (c.ended or c.elsewhere)]
+
+    def continued(self, index: int, event: dict[str, Any]) -> dict[str, Any] | None:
+        """A continuation's completions event as choice `index` of the client's
+        stream (what it counts toward usage noted)."""
+        state = self.choices[index]
+        state.elsewhere = True
+        out = as_client_event(event, index, self.chat, self.head, self.wants_ids)
+        if out is not None:
+            choice = out["choices"][0]
+            state.had += _ids(event)
+            state.ended = state.ended or bool(choice.get("finish_reason"))
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        """The closing usage event: decode's, or one made here if decode sent none,
+        counting the tokens the client got (continuations' included, decode's
+        discarded ones not)."""
+        event = self.closing or {
+            **{k: v for k, v in self.opening.events[0].items() if k != "choices"},
+            "choices": [],
+            "usage": {"prompt_tokens": self.opening.prompt_tokens},
+        }
+        completion = sum(len(c.had) for c in self.choices.values())
+        usage = {**event["usage"], "completion_tokens": completion}
+        usage["total_tokens"] = usage.get("prompt_tokens", self.opening.prompt_tokens) + completion
+        return {**event, **self.head, "usage": usage}
+
+
+_DIVERGED = object()
+
+
+def _drop_first(logprobs: Any, chat: bool) -> Any:
+    """Logprobs without their first token's entry."""
+    if not isinstance(logprobs, dict):
+        return logprobs
+    if chat:
+        return {**logprobs, "content": (logprobs.get("content") or [])[1:]}
+    return {k: v[1:] if isinstance(v, list) else v for k, v in logprobs.items()}
+
+
+def _ids(event: dict[str, Any]) -> list[int]:
+    choices = event.get("choices") or [{}]
+    return list(choices[0].get("token_ids") or [])
+
+
+def as_client_event(
+    event: dict[str, Any], index: int, chat: bool, head: dict[str, Any], wants_ids: bool
+) -> dict[str, Any] | None:
+    """A completions event of a continuation as choice `index` in the client's
+    stream, chat's shape or completions'."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    ids = _ids(event)
+    base = {**event, **head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    base.pop("usage", None)
+    if chat:
+        out = {"index": index, "delta": {"content": choice.get("text") or ""},
+               "logprobs": _chat_logprobs(choice.get("logprobs")),
+               "finish_reason": choice.get("finish_reason"),
+               "token_ids": ids if wants_ids else None}  # fmt: skip
+        if choice.get("finish_reason"):
+            out["stop_reason"] = choice.get("stop_reason")
+    else:
+        out = {**choice, "index": index, "prompt_token_ids": None,
+               "token_ids": ids if wants_ids else None}  # fmt: skip
+    return {**base, "choices": [out]}
+
+
+def _chat_logprobs(logprobs: Any) -> Any:
+    """Completions-style logprobs as chat's: one entry per token."""
+    if not isinstance(logprobs, dict):
+        return None
+    entries = []
+    tops = logprobs.get("top_logprobs") or []
+    for i, (token, value) in enumerate(
+        zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [], strict=False)
+    ):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        entries.append({
+            "token": token, "logprob": value, "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top.items()
+            ],
+        })  # fmt: skip
+    return {"content": entries}

@@ -1,0 +1,76 @@
+"""Server-sent events as vLLM streams them: `data: <JSON>` blocks, `data: [DONE]`
+last."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+
+def encode(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def events(content: aiohttp.StreamReader) -> Any:
+    """A server-sent event stream's JSON events, up to [DONE]. Split by hand: an
+    event can be longer than aiohttp's line limit (a long prompt's token ids)."""
+    pending = b""
+    async for chunk in content.iter_any():
+        pending += chunk
+        *blocks, pending = pending.split(b"\n\n")
+        for block in blocks:
+            for line in block.splitlines():
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                try:
+                    event = json.loads(payload)
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    yield event
+
+
+def whole_json(payload: bytes) -> bool:
+    """Whether a non-streamed answer arrived whole: one JSON object."""
+    try:
+        return isinstance(json.loads(payload), dict)
+    except ValueError:
+        return False
+
+
+def first_word(head: bytes) -> dict[str, Any] | None:
+    """The first complete event of a stream's head that is more than chat's role
+    preamble: output, an error, or the end ({} for [DONE] or what is not JSON); None
+    while no such event has arrived in full."""
+    for block in head.split(b"\n\n")[:-1]:
+        for line in block.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            try:
+                event = json.loads(payload) if payload != b"[DONE]" else {}
+            except ValueError:
+                return {}  # not ours to judge: pass it on
+            if not isinstance(event, dict):
+                return {}
+            if not role_only(event):
+                return event
+    return None
+
+
+def role_only(event: dict[str, Any]) -> bool:
+    """Chat's first chunk: every choice's delta names the role and says nothing yet.
+    vLLM sends it before the engine has run, so it proves nothing about the leg."""
+    choices = event.get("choices")
+    return bool(choices) and all(
+        isinstance(c, dict)
+        and "delta" in c
+        and not c.get("finish_reason")
+        and {k for k, v in (c.get("delta") or {}).items() if v} <= {"role"}
+        for c in choices
+    )
