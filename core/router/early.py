@@ -59,7 +59,7 @@ class FirstTokenStreams:
         trace: Trace = request[TRACE]
         chat = endpoint.endswith("/chat/completions")
         trace.mark("decode_sent")
-        posted = asyncio.ensure_future(
+        posted: asyncio.Future | None = asyncio.ensure_future(
             self._http().post(decode.url + endpoint, json=leg, headers=headers)
         )
         try:
@@ -84,7 +84,8 @@ class FirstTokenStreams:
             if edit.unfinished():
                 why = await self._edited(stream, posted, decode, leg, body, edit, headers)
             else:
-                posted = self._drain(posted)
+                self._drain(posted)
+                posted = None
             if why is not None:
                 await self._recover(stream, decode, body, edit, headers, why)
             if edit.usage_asked:
@@ -95,9 +96,10 @@ class FirstTokenStreams:
             return stream
         finally:
             # Closing the decode leg's connection makes vLLM abort it, if it runs still.
-            posted.cancel()
-            if posted.done() and not posted.cancelled() and not posted.exception():
-                posted.result().close()
+            if posted is not None:
+                posted.cancel()
+                if posted.done() and not posted.cancelled() and not posted.exception():
+                    posted.result().close()
 
     async def _edited(
         self: Router,
@@ -134,6 +136,8 @@ class FirstTokenStreams:
                         )
                     if out is not None:
                         await stream.write(encode(out))
+                    if diverged and not edit.unfinished():
+                        break  # nothing more of decode's leg reaches the client
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
@@ -196,11 +200,11 @@ class FirstTokenStreams:
             failure = f"choice {index} could not be continued on {decode.url}: {message}"
             await stream.write(encode(openai_error(failure, "upstream_error", 502)))
 
-    def _drain(self, posted: asyncio.Future) -> asyncio.Future:
+    def _drain(self: Router, posted: asyncio.Future) -> None:
         """Every choice ended at its first token, so the client needs nothing from
         decode; but its leg runs on, unread, to its end: an abort before decode
         claimed the KV would leave prefill holding it for its whole lease. Decode
-        computes one token for it. Returns a finished future for the caller to let go."""
+        computes one token for it."""
 
         async def drain() -> None:
             try:
@@ -213,6 +217,3 @@ class FirstTokenStreams:
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
         self.metrics.inc("decode_legs_drained")
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-        done.cancel()
-        return done

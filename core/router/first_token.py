@@ -217,7 +217,7 @@ class DecodeEdit:
             i: _Choice(f, f.text, [f.token], ended=f.finished)
             for i, f in self.opening.firsts.items()
         }
-        first = self.opening.events[0] if self.opening.events else {}
+        first = self.opening.events[0]
         self.head = {k: first[k] for k in ("id", "created") if k in first}
 
     def edit(self, event: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
@@ -232,15 +232,8 @@ class DecodeEdit:
         kept, diverged = [], []
         for choice in event["choices"]:
             state = self.choices.get(choice.get("index", 0)) if isinstance(choice, dict) else None
-            if state is None:  # an answer this path could not stand on: relayed
-                if isinstance(choice, dict) and not self.wants_ids:
-                    choice = {**choice, "token_ids": None}
-                    if "prompt_token_ids" in choice:
-                        choice["prompt_token_ids"] = None
-                kept.append(choice)
-                continue
-            if state.ended or state.elsewhere:
-                continue
+            if state is None or state.ended or state.elsewhere:
+                continue  # not a choice the client was opened with, or one it has whole
             edited = self._edit_choice(state, copy.deepcopy(choice))
             if edited is _DIVERGED:
                 state.elsewhere = True
@@ -312,8 +305,9 @@ class DecodeEdit:
         """The closing usage event: decode's, or one made here if decode sent none,
         counting the tokens the client got (continuations' included, decode's
         discarded ones not)."""
+        head = self.opening.events[0]
         event = self.closing or {
-            **{k: v for k, v in self.opening.events[0].items() if k != "choices"},
+            **{k: head[k] for k in ("id", "object", "created", "model") if k in head},
             "choices": [],
             "usage": {"prompt_tokens": self.opening.prompt_tokens},
         }
