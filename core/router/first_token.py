@@ -171,7 +171,11 @@ def continuation_leg(
 ) -> dict[str, Any]:
     """A choice's own request from the tokens the client has (`had`): its prompt plus
     those, the rest to generate, on the completions endpoint (it takes token ids)."""
-    leg = {k: v for k, v in body.items() if k in GENERATION_ONLY or k == "model"}
+    # The prompt is token ids now; what else the client sent besides generation
+    # settings named the prompt's text, except the model, its cache salt (decode's
+    # cached prompt blocks are salted with it) and its priority.
+    kept = ("model", "cache_salt", "priority")
+    leg = {k: v for k, v in body.items() if k in GENERATION_ONLY or k in kept}
     for key in ("n", "best_of", "echo", "prompt_logprobs", "max_completion_tokens",
                 "logprobs", "top_logprobs", "response_format", "structured_outputs"):  # fmt: skip
         leg.pop(key, None)

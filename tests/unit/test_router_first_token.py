@@ -310,9 +310,10 @@ def test_a_chat_choice_continues_as_a_completion_of_its_token_ids_shown_as_chat(
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "max_completion_tokens": 5, "min_tokens": 2, "temperature": 0.5, "seed": 9,
-            "logprobs": True, "top_logprobs": 1, "n": 1}  # fmt: skip
+            "logprobs": True, "top_logprobs": 1, "n": 1, "cache_salt": "s"}  # fmt: skip
     leg = continuation_leg(body, PROMPT, [7, 8], chat=True)
     assert leg["prompt"] == [*PROMPT, 7, 8] and "messages" not in leg
+    assert leg["cache_salt"] == "s"  # or decode's cached prompt is not found
     assert leg["max_tokens"] == 3 and leg["min_tokens"] == 0 and leg["logprobs"] == 1
     assert leg["seed"] == 9 and leg["temperature"] == 0.5 and "max_completion_tokens" not in leg
     logprobs = {"tokens": ["C"], "token_logprobs": [-0.5], "top_logprobs": [{"C": -0.5}]}
