@@ -318,12 +318,11 @@ class Router(FirstTokenStreams):
             prefill.learn(echo)
             self._refuse_unpairable(prefill, decode)
             leg = decode_leg(body, transfer_id, echo)
-            if early:
-                leg = first_token.decode_leg(leg)
-                done: asyncio.Future = asyncio.get_running_loop().create_future()
-                done.set_result(answer)
-                return await self._relay_early(request, decode, endpoint, leg, headers, done, body)
-            return await self._relay(request, decode, endpoint, leg, headers)
+            answered: asyncio.Future = asyncio.get_running_loop().create_future()
+            answered.set_result(answer)
+            return await self._decode_relay(
+                early, request, decode, endpoint, leg, headers, answered, body
+            )
         return await self._both_at_once(
             request, endpoint, body, transfer_id, prefill, decode, headers, early
         )
@@ -351,17 +350,11 @@ class Router(FirstTokenStreams):
             self._post_json(prefill, endpoint, prefill_leg_body, prefill_headers)
         )
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
-        if early:
-            relay = asyncio.ensure_future(
-                self._relay_early(
-                    request, decode, endpoint, first_token.decode_leg(decode_leg_body),
-                    headers, prefill_task, body,
-                )
-            )  # fmt: skip
-        else:
-            relay = asyncio.ensure_future(
-                self._relay(request, decode, endpoint, decode_leg_body, headers)
+        relay = asyncio.ensure_future(
+            self._decode_relay(
+                early, request, decode, endpoint, decode_leg_body, headers, prefill_task, body
             )
+        )
         try:
             done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
@@ -374,6 +367,24 @@ class Router(FirstTokenStreams):
         # The decode leg succeeded: let the prefill leg finish on its own.
         prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, identity, task))
         return response
+
+    def _decode_relay(
+        self,
+        early: bool,
+        request: web.Request,
+        decode: Instance,
+        endpoint: str,
+        leg: dict[str, Any],
+        headers: dict[str, str],
+        prefill_answer: asyncio.Future,
+        body: dict[str, Any],
+    ) -> Any:
+        """The decode leg's relay: behind the prefill leg's first token (early.py), or
+        the decode leg's answer as it comes."""
+        if early:
+            leg = first_token.decode_leg(leg)
+            return self._relay_early(request, decode, endpoint, leg, headers, prefill_answer, body)
+        return self._relay(request, decode, endpoint, leg, headers)
 
     def _prefill_done(
         self, prefill: Instance, named: InstanceIdentity, task: asyncio.Future

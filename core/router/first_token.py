@@ -5,11 +5,12 @@ the decode leg's seed, it is the token decode samples first, so the router strea
 it as soon as prefill answers, and from decode's stream relays the rest: the client's
 first token no longer waits for the hand-off and decode's first step.
 
-Decode's own first token is checked against prefill's, per choice. They differ only
-where the two engines' logits differ in their last bits at a near tie (or a sampling
-draw falls on a boundary). The client already holds prefill's token, so such a
-choice is not taken from decode's stream: it continues from a request of its own,
-prompt plus that token (decode's prefix cache holds the prompt's KV by then).
+Decode's own first token is checked against prefill's, per choice. From the same KV,
+seed and parameters they can still differ where the two engines' logits do in their
+last bits at a near tie (never seen here on the CPU build, but not ruled out). The
+client already holds prefill's token, so such a choice is not taken from decode's
+stream: it continues from a request of its own, prompt plus that token (decode's
+prefix cache holds the prompt's KV by then).
 
 Everything here is a function of JSON: what each leg is sent, the client's opening
 events, and `DecodeEdit`, which takes decode's events and says what the client gets.
@@ -21,7 +22,6 @@ answer not shaped as expected.
 
 from __future__ import annotations
 
-import copy
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,7 +238,7 @@ class DecodeEdit:
             state = self.choices.get(choice.get("index", 0)) if isinstance(choice, dict) else None
             if state is None or state.ended or state.elsewhere:
                 continue  # not a choice the client was opened with, or one it has whole
-            edited = self._edit_choice(state, copy.deepcopy(choice))
+            edited = self._edit_choice(state, choice)  # parsed for us alone: edited in place
             if edited is _DIVERGED:
                 state.elsewhere = True
                 diverged.append(choice.get("index", 0))

@@ -241,7 +241,7 @@ def test_a_decode_that_breaks_off_is_continued_on_another_from_what_the_client_h
 
 def test_a_decode_that_refuses_after_the_first_token_is_an_error_in_the_stream_naming_it():
     """Sequential legs (the router has not met prefill yet): the client has its
-    first token before decode is asked at all."""
+    first token without waiting for decode to take its leg."""
 
     async def failing(request: web.Request, body: dict) -> web.Response:
         return web.json_response({"error": {"message": "engine dead"}}, status=503)
