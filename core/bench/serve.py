@@ -26,7 +26,8 @@ from the plain instance's, and each server tree's CPU while idle and under load.
 Each cell also records the time to the second token (T2T) and every request's TTFT,
 and, on kvpush instances, the spans of where the time went (kvpush.vllm.spans).
 
-Results: JSON lines (results.jsonl, and stdout with --json), a Markdown table
+Results: JSON lines (results.jsonl, and stdout with --json), each cell's
+per-request traces from kvpush's instances and router (traces-*.json), a Markdown table
 (table.md) and plots in --out, per placement: ttft-, tpot- (by rate, or bars for
 one rate), where- (mean TTFT split into its spans, a stacked bar per configuration)
 and ttft-cdf-<placement>.png.
@@ -246,6 +247,22 @@ class Deployment:
                 continue  # an older kvpush, or not serving: nothing to add
         return found
 
+    def traces(self, last: int) -> dict[str, list]:
+        """The last `last` requests' traces (milestones per request) of each kvpush
+        instance and router: the cell's outliers, explained afterwards."""
+        import urllib.request
+
+        urls = {name: self.cluster.identity_url(name) for name in self.cluster.identity_ports}
+        urls |= {name: url for name, (_, url) in self.cluster.routers.items()}
+        found = {}
+        for name, url in urls.items():
+            try:
+                with urllib.request.urlopen(f"{url}/kvpush/trace?last={last}", timeout=5) as r:
+                    found[name] = json.loads(r.read())
+            except (OSError, ValueError):
+                continue
+        return found
+
     def cpu_seconds(self) -> dict[str, float]:
         return {name: tree_cpu_seconds(pid) for name, pid in self.pids().items()}
 
@@ -445,6 +462,10 @@ class Bench:
             seconds, s, idle, busy,
         )  # fmt: skip
         cell.spans = deployment.spans()
+        traces = deployment.traces(s.requests)
+        if traces:
+            name = f"traces-{placement}-{deployment.config}-{length}-{rate:g}.json"
+            (self.out / name).write_text(json.dumps(traces))
         return cell
 
 

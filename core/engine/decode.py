@@ -95,6 +95,8 @@ class DecodeLegs:
         # one, recomputed, still reads.
         self.windowed = windowed
         self.legs: dict[str, DecodeLeg] = {}
+        self._loading: dict[str, str] = {}  # transfer id -> the LOADING leg's request id
+        self._ranks_landed: dict[str, set[int]] = {}  # transfer id -> ranks heard of
         self._failed_loads: OrderedDict[str, None] = OrderedDict()
         self.plan = StepPlan()  # the Ledger's, for this step
 
@@ -174,6 +176,7 @@ class DecodeLegs:
         first = leg.local_tokens // self.block_size
         last = -(-(leg.local_tokens + external_tokens) // self.block_size)
         DECODE_TRANSITIONS.move(leg, D.LOADING)
+        self._loading[leg.transfer_id] = request_id
         named = leg.announce
         blocks = tuple(interleave([group[first:last] for group in groups]))
         self.plan.expects.append(
@@ -182,10 +185,25 @@ class DecodeLegs:
         )  # fmt: skip
         return True
 
+    def rank_landed(self, transfer_id: str, rank: int, ranks: int) -> str | None:
+        """One of the engine's `ranks` worker ranks says, outside a step, that its share
+        of a transfer landed. Once every rank has, the loading leg's request id: the
+        engine may run it now, before any step reports the landing. Else None."""
+        request_id = self._loading.get(transfer_id)
+        if request_id is None:
+            return None
+        heard = self._ranks_landed.setdefault(transfer_id, set())
+        heard.add(rank)
+        if len(heard) < ranks:
+            return None
+        return request_id
+
     def loaded(self, request_id: str, failed: bool) -> Loaded:
         """The workers report a decode leg's load done: landed, or failed. A failed
         load is remembered past the request's end, for siblings still to come."""
         leg = self.legs.get(request_id)
+        if leg is not None:
+            self._settled(leg.transfer_id)
         if not failed:
             if leg is not None and leg.state == D.LOADING:
                 DECODE_TRANSITIONS.move(leg, D.LANDED)
@@ -225,10 +243,16 @@ class DecodeLegs:
     def finished(self, request_id: str) -> None:
         """The engine finished the request."""
         leg = self.legs.pop(request_id, None)
+        if leg is not None:
+            self._settled(leg.transfer_id)
         if leg is not None and leg.state in (D.ANNOUNCED, D.LOADING):
             # Aborted while queued, or before its KV arrived: the workers settle the
             # transfer, and a producer stops keeping the KV alive for it.
             self.plan.aborts.append(leg.transfer_id)
+
+    def _settled(self, transfer_id: str) -> None:
+        self._loading.pop(transfer_id, None)
+        self._ranks_landed.pop(transfer_id, None)
 
     def receiving(self) -> int:
         return sum(leg.state == D.LOADING for leg in self.legs.values())

@@ -92,7 +92,7 @@ class Node:
         kv: DeviceKV,
         backends: Backends | None = None,
         metrics: Metrics | None = None,
-        on_outcome: Callable[[], None] | None = None,
+        on_outcome: Callable[[Outcome], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         faults: Faults | None = None,
@@ -399,7 +399,7 @@ class Node:
             self._results.append(outcome)
             self._results_ready.notify_all()
         if self._on_outcome is not None:
-            self._on_outcome()
+            self._on_outcome(outcome)
 
     # -- what the links report (loop thread) ---------------------------------------------
 

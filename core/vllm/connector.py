@@ -103,7 +103,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_groups=groups,
                 windowed=any(self._windows),
             )
-            # vLLM's engine is being built: it is on the stack.
+            # vLLM's Scheduler is being built, in its engine: both are on the stack.
+            synchronous = vllm_config.scheduler_config.async_scheduling is False
+            self._scheduler.landings.attach(parallel.pipeline_parallel_size, synchronous)
             hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
             if config.park_workers:
                 hooks.prepare_step_notify()

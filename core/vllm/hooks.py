@@ -1,7 +1,7 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it eight times, each a Hook below: what it
+objects around them. kvpush reaches past it nine times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
@@ -54,7 +54,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
@@ -148,6 +148,17 @@ HOOKS = {
             "a prefill instance of a sliding-window model under the hybrid KV cache "
             "manager refuses to start (for one prompt in block_size, vLLM would free "
             "a window block decode needs before kvpush could send it)",
+        ),
+        Hook(
+            "landings_before_schedule",
+            "Scheduler.schedule (wrapped on the instance), Scheduler.requests and "
+            "finished_recving_kv_req_ids, and KVConnectorOutput.finished_recving "
+            "(ids already taken, removed)",
+            ("0.32",),
+            True,
+            "a landing reaches decode's scheduler only with the output of the step "
+            "after it: one more step (an empty round trip to the workers when idle) "
+            "before decode computes",
         ),
         Hook(
             "park_workers",
@@ -317,6 +328,68 @@ def idle_wait_allowed(idle_wait_s: float) -> float:
         return 0.0
     RECORD.attached("idle_wait")
     return idle_wait_s
+
+
+# -- landings_before_schedule (scheduler process, while vLLM builds its Scheduler) -------
+
+
+class ScheduleHook:
+    """vLLM's Scheduler, with `before` run at the start of each schedule() call."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    @classmethod
+    def attach(cls, before: Callable[[], None]) -> ScheduleHook | None:
+        """Wrap the schedule() of the Scheduler now making the connector; None (and
+        the cost recorded) where there is none or the hook is off."""
+        name = "landings_before_schedule"
+        if not RECORD.allowed(name):
+            return None
+        scheduler = find_caller(
+            lambda o: (
+                callable(getattr(o, "schedule", None))
+                and callable(getattr(o, "update_from_output", None))
+                and hasattr(o, "kv_cache_config")
+            )
+        )
+        if scheduler is None:
+            RECORD.missed(name, "no vLLM Scheduler on the stack")
+            return None
+        schedule = scheduler.schedule
+
+        def before_then_schedule(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return schedule(*args, **kwargs)
+
+        scheduler.schedule = before_then_schedule
+        RECORD.attached(name)
+        return cls(scheduler)
+
+    def take_landed(self, request_id: str) -> bool:
+        """Tell vLLM a request's KV is loaded, as a worker's finished_recving would; its
+        schedule() promotes it. False if vLLM no longer waits for it (finished, or
+        told already)."""
+        from vllm.v1.request import RequestStatus
+
+        scheduler = self._scheduler
+        request = scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        if request_id in scheduler.finished_recving_kv_req_ids:
+            return False
+        scheduler.finished_recving_kv_req_ids.add(request_id)
+        return True
+
+    @staticmethod
+    def drop_taken(output: Any, taken: Container[str]) -> set[str]:
+        """Remove from a step's finished_recving the requests already taken; returns
+        those removed (vLLM must not see a running request's load finish again)."""
+        reported = getattr(output, "finished_recving", None) or set()
+        dropped = {r for r in reported if r in taken}
+        if dropped:
+            output.finished_recving = set(reported) - dropped
+        return dropped
 
 
 # -- park_workers (worker processes) ----------------------------------------------------
@@ -553,6 +626,13 @@ def _static_problem(name: str) -> str:
             source = _source(Scheduler.__init__)
             made, managed = source.find("create_connector("), source.find("KVCacheManager(")
             return "" if 0 <= made < managed else "the connector is not made before the manager"
+        if name == "landings_before_schedule":
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            source = _source(Scheduler)
+            wanted = ("finished_recving_kv_req_ids", "def schedule", "WAITING_FOR_REMOTE_KVS")
+            missing = [w for w in wanted if w not in source]
+            return f"Scheduler has no {', '.join(missing)}" if missing else ""
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 

@@ -20,6 +20,7 @@ class KVPushMetadata(StepPlan, KVConnectorMetadata):
     """A step's plan (kvpush.engine.steps), and how the workers may wait after it."""
 
     doorbell: int = 0  # the scheduler's doorbell port (kvpush.vllm.wake)
+    doorbell_key: str = ""  # what a landing's ring carries to be believed
     park: bool = False  # nothing to compute until a transfer ends: workers may sleep
 
     @classmethod

@@ -14,12 +14,11 @@ kv_transfer_params, the two-leg contract (docs/routing.md):
 and the prefill response echoes the producer's identity in the decode-leg shape,
 with upstream NixlConnector's fields beside it (kvpush.identities.prefill_echo).
 A prefill leg with no transfer_id (a sequential orchestrator sending upstream
-NixlConnector's shape) gets one named here, after its API request, so the echo it
-forwards still moves KV; a decode leg that names its producer only by an endpoint
-(a Mooncake-mode router's bootstrap server, or the remote_host and remote_port of
-the echo, which vllm-router's NIXL push mode keeps while dropping the rest) is
-completed from that endpoint's answer (kvpush.vllm.bootstrap), taking the transfer
-its prefill leg's instance named.
+NixlConnector's shape) gets one named after its API request, so the echo it forwards
+moves KV; a decode leg naming its producer only by an endpoint (a Mooncake-mode
+router's bootstrap server, or the echo's remote_host and remote_port, which
+vllm-router's NIXL push mode keeps) is completed from that endpoint's answer
+(kvpush.vllm.bootstrap), taking the transfer its prefill leg's instance named.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError
 from kvpush.vllm.config import ConnectorConfig, producer_allowed
 from kvpush.vllm.identity import EPOCH_SEPARATOR, IdentityService
+from kvpush.vllm.landings import Landings
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
@@ -115,6 +115,7 @@ class SchedulerSide:
         else:
             self.idle = IdleSteps(hooks.idle_wait_allowed(config.idle_wait_s))
         self.spans = Spans()
+        self.landings = Landings(self.ledger.decode, self.spans, self.idle, world)
 
     @property
     def epoch(self) -> str:
@@ -159,11 +160,8 @@ class SchedulerSide:
                 by_state[state] = by_state.get(state, 0) + count
         hooks_by_process = {"scheduler": hooks.RECORD.snapshot()}
         hooks_by_process |= {f"worker{rank}": h for rank, h in sorted(self._rank_hooks.items())}
-        return {
-            **self.state(),
-            "by_state": dict(sorted(by_state.items())),
-            "hooks": hooks_by_process,
-        }
+        detail = {"by_state": dict(sorted(by_state.items())), "hooks": hooks_by_process}
+        return {**self.state(), **detail, "landings": self.landings.counts()}
 
     def close(self) -> None:
         self.me.close()
@@ -174,6 +172,7 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         """vLLM took the request in: name its transfer and tell the peer now, not when
         the request reaches the head of a queue that may be long."""
+        self.idle.news()
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode"):
             self._admit_prefill(request, params)
@@ -228,11 +227,12 @@ class SchedulerSide:
         for request_id, milestone in self.ledger.prefill.step_scheduled(computed):
             self.spans.mark(request_id, milestone)
         meta = KVPushMetadata.of(self.ledger.take_plan())
-        meta.doorbell = self.idle.doorbell.port
+        meta.doorbell, meta.doorbell_key = self.idle.doorbell.port, self.idle.doorbell.key
         meta.park = self._only_transfers_to_wait_for(scheduler_output, meta)
-        # The workers learn of finished requests only from a step: one that tells of
-        # them goes out at once (a prefill's blocks are freed on that news).
-        self.idle.after_step(meta.park and not scheduler_output.finished_req_ids)
+        # A step telling the workers of finished requests goes out at once (kvpush.vllm.wake).
+        waiting = self.ledger.waiting_on_transfers()
+        idle_after = waiting and not scheduler_output.total_num_scheduled_tokens
+        self.idle.after_step(meta.park and not scheduler_output.finished_req_ids, idle_after)
         return meta
 
     def _only_transfers_to_wait_for(self, out: Any, meta: KVPushMetadata) -> bool:
@@ -249,6 +249,7 @@ class SchedulerSide:
         self, request: Any, groups: Sequence[Sequence[int]], spoiled: bool = False
     ) -> tuple[bool, Any]:
         request_id = request.request_id
+        self.idle.news()
         self._ids.forget(request_id)
         is_prefill = request_id in self.ledger.prefill.legs
         # spoiled: vLLM freed blocks the KV needs (groups.window_lost): send nothing.
@@ -270,6 +271,7 @@ class SchedulerSide:
         )
 
     def update_connector_output(self, output: Any) -> None:
+        self.landings.drop_reported(output)
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
         for request_id, why in (getattr(worker_meta, "failed", None) or {}).items():
             self.spans.fail(request_id, why)

@@ -20,12 +20,13 @@ from kvpush.engine.steps import Produce, Progress
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
+from kvpush.node.interpreter import Outcome
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.stats import KVPushStats
-from kvpush.vllm.wake import Ringer
+from kvpush.vllm.wake import LandingNote, Ringer
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class WorkerSide:
         self._samples_seen = 0
         self._counted: dict[str, float] = {}  # node counters already reported
         self._ringer = Ringer()  # wakes a scheduler waiting for an outcome
+        self._doorbell_key = ""  # the scheduler's, for landing notes (kvpush.vllm.wake)
         self._parking = Parking(None)
         self._noted = KVPushWorkerMeta()  # for the scheduler's spans, until the next step
         self._states_told: dict[str, int] = {}  # the state counts last sent the scheduler
@@ -183,7 +185,7 @@ class WorkerSide:
             insecure=insecure(self.config),
             nixl_backends=self.config.nixl_backends,
         )
-        self.node = Node(node_config, kv, self.backends, on_outcome=self._ringer.ring).start()
+        self.node = Node(node_config, kv, self.backends, on_outcome=self._ring).start()
         self._layer_index = {name: i for i, name in enumerate(kv.layout.layer_names)}
         where = self.node.address if self.role != "consumer" else "(dials out)"
         log.info(
@@ -193,6 +195,15 @@ class WorkerSide:
             kv.layout.num_blocks, kv.layout.tokens_per_block, num_blocks or "?",
             block_size or "?", self.groups, where,
         )  # fmt: skip
+
+    def _ring(self, outcome: Outcome) -> None:
+        """The node has an outcome (its loop thread): wake the scheduler, telling it
+        which transfer landed here, so it may run the request before a step says so."""
+        if outcome.kind != "delivered" or not self._doorbell_key:
+            self._ringer.ring()
+            return
+        note = LandingNote(self.rank, outcome.transfer_id, outcome.wall, outcome.ready_wall)
+        self._ringer.ring(note.encode(self._doorbell_key))
 
     def handshake(self) -> KVPushHandshake | None:
         if self.node is None:
@@ -206,7 +217,7 @@ class WorkerSide:
     def bind(self, meta: KVPushMetadata) -> None:
         """The step's metadata arrived (before the forward pass): act on it now."""
         node = self._node()
-        self._ringer.port = meta.doorbell
+        self._ringer.port, self._doorbell_key = meta.doorbell, meta.doorbell_key
         if meta.park:
             self._parking.park()
         else:

@@ -137,9 +137,11 @@ class Client:
         while any(state.values()) and time.monotonic() < deadline:
             time.sleep(0.5)
             state = self.state(identity_url)
-        if any(state.values()):
-            return self.http.get(identity_url + "/kvpush/state?detail=1").json()
-        return state
+        return self.state_detail(identity_url) if any(state.values()) else state
+
+    def state_detail(self, identity_url: str) -> dict:
+        """/kvpush/state with the per-machine-state counts, hooks and landings."""
+        return self.http.get(identity_url + "/kvpush/state?detail=1").json()
 
 
 @pytest.fixture(scope="session")

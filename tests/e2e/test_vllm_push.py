@@ -428,6 +428,7 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
         while client.state(identity_url)["receiving"] < len(prompts):
             assert time.monotonic() < deadline, client.state(identity_url)
             time.sleep(0.05)
+        landings_before = client.state_detail(identity_url)["landings"]
         before = tree_cpu_seconds(decode.process.pid)
         time.sleep(2.0)
         cores = (tree_cpu_seconds(decode.process.pid) - before) / 2.0
@@ -447,6 +448,14 @@ def test_decode_holding_requests_that_wait_for_kv_costs_almost_no_cpu(cluster, c
     for name in ("connector_registry", "engine_inbox", "idle_wait", "step_notify"):
         assert hooks["scheduler"].get(name) == "attached", hooks
     assert hooks["worker0"]["park_workers"] == "attached", hooks
+    # Each landing was planned by the schedule() after it (kvpush.vllm.landings), not
+    # a step later; one the workers reported first is vLLM's to take, and no landing
+    # is taken twice.
+    landings = client.state_detail(identity_url)["landings"]
+    taken = landings["before_schedule"] - landings_before["before_schedule"]
+    by_step = landings["by_step_report"] - landings_before["by_step_report"]
+    assert hooks["scheduler"]["landings_before_schedule"] == "attached", hooks
+    assert taken >= 1 and taken + by_step == len(prompts), (landings_before, landings)
 
 
 def test_between_requests_neither_instance_spins(cluster, router, client):

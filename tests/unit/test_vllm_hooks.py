@@ -20,7 +20,7 @@ def record(monkeypatch):
 def test_every_hook_declares_versions_a_target_and_a_cost():
     assert set(hooks.HOOKS) == {
         "connector_registry", "caller_kv_role", "engine_inbox", "idle_wait", "step_notify",
-        "park_workers", "reader_spin", "window_margin",
+        "park_workers", "reader_spin", "window_margin", "landings_before_schedule",
     }  # fmt: skip
     for hook in hooks.HOOKS.values():
         assert hook.verified and hook.reaches and hook.cost, hook
