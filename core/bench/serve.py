@@ -235,32 +235,28 @@ class Deployment:
 
     def spans(self) -> dict[str, dict]:
         """Each kvpush instance's per-phase summary, where it serves one."""
-        import urllib.request
-
-        found = {}
-        for name in self.cluster.identity_ports:
-            try:
-                url = self.cluster.identity_url(name) + "/kvpush/spans?reset=1"
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    found[name] = json.loads(response.read())
-            except (OSError, ValueError):
-                continue  # an older kvpush, or not serving: nothing to add
-        return found
+        return self._ask_each("/kvpush/spans?reset=1", routers=False)
 
     def traces(self, last: int) -> dict[str, list]:
         """The last `last` requests' traces (milestones per request) of each kvpush
         instance and router: the cell's outliers, explained afterwards."""
+        return self._ask_each(f"/kvpush/trace?last={last}", routers=True)
+
+    def _ask_each(self, path: str, routers: bool) -> dict[str, Any]:
+        """GET `path` of each kvpush instance's identity port (and each router's): the
+        JSON answers by name, leaving out any that does not answer."""
         import urllib.request
 
         urls = {name: self.cluster.identity_url(name) for name in self.cluster.identity_ports}
-        urls |= {name: url for name, (_, url) in self.cluster.routers.items()}
+        if routers:
+            urls |= {name: url for name, (_, url) in self.cluster.routers.items()}
         found = {}
         for name, url in urls.items():
             try:
-                with urllib.request.urlopen(f"{url}/kvpush/trace?last={last}", timeout=5) as r:
-                    found[name] = json.loads(r.read())
+                with urllib.request.urlopen(url + path, timeout=5) as response:
+                    found[name] = json.loads(response.read())
             except (OSError, ValueError):
-                continue
+                continue  # an older kvpush, or not serving: nothing to add
         return found
 
     def cpu_seconds(self) -> dict[str, float]:

@@ -77,8 +77,8 @@ class Landings:
     def drop_reported(self, output: object) -> None:
         """A step's output, before anyone reads it: the landings it reports that were
         taken here already are removed from it."""
-        if self.hook is not None and self._taken:
-            for request_id in self.hook.drop_taken(output, self._taken):
+        if self._taken:  # only ever filled through the hook
+            for request_id in hooks.ScheduleHook.drop_taken(output, self._taken):
                 del self._taken[request_id]
         reported = getattr(output, "finished_recving", None) or ()
         failed = getattr(output, "failed_recving", None) or ()
