@@ -161,6 +161,12 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
     }
 
 
+# In a prefill answer's kv_transfer_params: the leg stopped before its prompt's last
+# token (a recurrent-state model: kvpush.vllm.groups), so its one generated token is
+# not the prompt's next, and a router must not stream it as the first.
+PROMPT_CUT = "kvpush_prompt_cut"
+
+
 def prefill_echo(
     transfer_id: str,
     identity: InstanceIdentity,

@@ -193,6 +193,7 @@ class KVLayout(msgspec.Struct, frozen=True):
     layer_names: tuple[str, ...] = ()
     shard: Shard = Shard()
     groups: int = 1  # KV cache groups overlaid on the regions (hybrid models)
+    states: int = 0  # of them, recurrent-state groups: their pages are not head-split
     null_block: int = -1  # the id that stands for no block (-1: every id is one)
 
     def __post_init__(self) -> None:
@@ -233,6 +234,17 @@ def groups_problem(src: KVLayout, dst: KVLayout) -> str | None:
             f"KV layouts differ in KV cache groups: the producer has {src.groups}, the "
             f"consumer {dst.groups} (another model, or vLLM's hybrid KV cache manager on "
             "one side only)"
+        )
+    if src.states != dst.states:
+        return (
+            f"KV layouts differ in recurrent-state groups: the producer has {src.states}, "
+            f"the consumer {dst.states}"
+        )
+    if src.states and src.shard.world != dst.shard.world:
+        return (
+            f"the producer runs TP {src.shard.world} and the consumer TP {dst.shard.world} "
+            "with recurrent state (Mamba, gated DeltaNet): each rank's state page moves "
+            "whole, so such models pair at equal TP only"
         )
     if src.groups > 1 and src.tokens_per_block != dst.tokens_per_block:
         return (

@@ -54,8 +54,8 @@ ARCHITECTURES = {
     }),
     # Gated DeltaNet (linear attention) layers and a full-attention one.
     "qwen3_next": ("Qwen3NextConfig", {
-        "num_hidden_layers": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "num_hidden_layers": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
         "num_experts": 4, "num_experts_per_tok": 2,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],

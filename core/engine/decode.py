@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpush.engine.steps import Announce, Expect, StepPlan
+from kvpush.engine.steps import Announce, Expect, StepPlan, state_positions
 from kvpush.layout import interleave
 from kvpush.protocol.states import TransitionTable
 
@@ -85,15 +85,20 @@ class DecodeLegs:
         prefix_caching: bool = True,
         recompute_on_failure: bool = False,
         windowed: bool = False,
+        states: Sequence[int] = (),
+        null: int = 0,
     ) -> None:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.recompute_on_failure = recompute_on_failure
-        # A sliding-window model: load all but the prompt's last token, which decode
-        # computes. Told the whole prompt is loaded, vLLM sizes the window for the
-        # token after it and drops the block holding the first token that the last
-        # one, recomputed, still reads.
-        self.windowed = windowed
+        # Load all but the prompt's last token, which decode computes, in a
+        # sliding-window model (told the whole prompt is loaded, vLLM sizes the window
+        # for the token after it and drops the block holding the first token that the
+        # last one, recomputed, still reads) and in one with recurrent state (whose
+        # prefill leg stops before that token: the state after it would be applied twice).
+        self.recomputes_last = windowed or bool(states)
+        # Recurrent-state groups (steps.state_positions) and the null block id padding them.
+        self.states, self.null = tuple(states), null
         self.legs: dict[str, DecodeLeg] = {}
         self._loading: dict[str, str] = {}  # transfer id -> the LOADING leg's request id
         self._ranks_landed: dict[str, set[int]] = {}  # transfer id -> ranks heard of
@@ -137,7 +142,7 @@ class DecodeLegs:
         leg = self.legs.get(request_id)
         if leg is None:
             return Match(None)
-        count = prompt_len - computed - (1 if self.windowed else 0)
+        count = prompt_len - computed - (1 if self.recomputes_last else 0)
         if leg.state == D.REJECTED:
             return Match(max(count, 1), load_async=True)  # fails at once, per the policy
         if leg.state == D.FOLLOWER:
@@ -178,6 +183,8 @@ class DecodeLegs:
         DECODE_TRANSITIONS.move(leg, D.LOADING)
         self._loading[leg.transfer_id] = request_id
         named = leg.announce
+        if self.states:
+            groups = state_positions(groups, self.states, self.null, last)
         blocks = tuple(interleave([group[first:last] for group in groups]))
         self.plan.expects.append(
             Expect(request_id, leg.transfer_id, named.producers, blocks, first * len(groups),

@@ -28,6 +28,8 @@ blocks a WRITE may read, until the workers say the producer let them go.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpush.engine.decode import DecodeLegs
 from kvpush.engine.prefill import Finish, PrefillLegs
 from kvpush.engine.steps import StepPlan
@@ -44,9 +46,13 @@ class Ledger:
         recompute_on_failure: bool = False,
         progressive: bool = True,
         windowed: bool = False,  # a sliding-window model (DecodeLegs)
+        states: Sequence[int] = (),  # recurrent-state groups (steps.state_positions)
+        null: int = 0,  # the block id that pads them
     ) -> None:
-        self.decode = DecodeLegs(block_size, prefix_caching, recompute_on_failure, windowed)
-        self.prefill = PrefillLegs(block_size, progressive)
+        self.decode = DecodeLegs(
+            block_size, prefix_caching, recompute_on_failure, windowed, states, null
+        )
+        self.prefill = PrefillLegs(block_size, progressive, states, null)
         self.take_plan()  # one plan, both legs filling it
 
     def knows(self, request_id: str) -> bool:

@@ -8,7 +8,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvpush.engine.steps import Pending, Produce, Progress, StepPlan
+from kvpush.engine.steps import Pending, Produce, Progress, StepPlan, state_positions
 from kvpush.layout import interleave
 from kvpush.protocol.states import TransitionTable
 
@@ -64,9 +64,13 @@ class Finish:
 class PrefillLegs:
     """The prefill legs this engine computes, by request id."""
 
-    def __init__(self, block_size: int, progressive: bool = True) -> None:
+    def __init__(
+        self, block_size: int, progressive: bool = True, states: Sequence[int] = (), null: int = 0
+    ) -> None:
         self.block_size = block_size
         self.progressive = progressive
+        # Recurrent-state groups (steps.state_positions) and the null block id padding them.
+        self.states, self.null = tuple(states), null
         self.legs: dict[str, PrefillLeg] = {}
         self.plan = StepPlan()  # the Ledger's, for this step
 
@@ -77,6 +81,13 @@ class PrefillLegs:
             request_id, transfer_id, base_id, prompt_len, named_here=named_here
         )
         self.plan.pending.append(Pending(transfer_id, sequential=named_here))
+
+    def left_last_token(self, request_id: str) -> None:
+        """The engine computes all but the last token of this leg's prompt (a
+        recurrent-state model's: the decode leg computes that one)."""
+        leg = self.legs.get(request_id)
+        if leg is not None and leg.state != P.DECLINED:
+            leg.prompt_len -= 1
 
     def declined(self, request_id: str) -> None:
         self.legs[request_id] = PrefillLeg(request_id, "", "", 0, P.DECLINED)
@@ -113,7 +124,7 @@ class PrefillLegs:
             if leg.state == P.ADMITTED:
                 PREFILL_TRANSITIONS.move(leg, P.COMPUTING)
             milestones.append((request_id, "computing"))
-            blocks = tuple(interleave(leg.groups))
+            blocks = self._blocks(leg)
             if computed >= leg.prompt_len:
                 PREFILL_TRANSITIONS.move(leg, P.SENDING)
                 milestones.append((request_id, "last_step"))
@@ -124,6 +135,13 @@ class PrefillLegs:
                 full = computed // self.block_size * len(leg.groups)
                 self.plan.progress.append(Progress(request_id, leg.transfer_id, blocks, full))
         return milestones
+
+    def _blocks(self, leg: PrefillLeg) -> tuple[int, ...]:
+        groups = leg.groups
+        if self.states:
+            length = max(len(g) for i, g in enumerate(groups) if i not in self.states)
+            groups = state_positions(groups, self.states, self.null, length)
+        return tuple(interleave(groups))
 
     def preempted(self, request_id: str) -> bool:
         """The engine took a prefill leg's blocks back to compute it again later.

@@ -7,6 +7,7 @@ each group in turn (kvpush.layout.interleave), so counts of blocks (`skip_blocks
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -84,3 +85,22 @@ class StepPlan:
             self.expects or self.announces or self.produces or self.progress
             or self.pending or self.aborts or self.rejects
         )  # fmt: skip
+
+
+def state_positions(
+    groups: Sequence[Sequence[int]], states: Sequence[int], null: int, length: int
+) -> list[list[int]]:
+    """The first `length` positions of each KV cache group's block list, with the
+    recurrent-state groups (`states`: their indices) holding only their running
+    state, at the last position: of a Mamba-style group's blocks only that one is
+    the request's state after its last computed token (the others are empty, or
+    states after earlier tokens that decode does not read), and vLLM lays it out
+    at the last position in one cache mode and alone in another."""
+    out = []
+    for index, blocks in enumerate(groups):
+        if index not in states:
+            out.append(list(blocks[:length]))
+            continue
+        live = [block for block in blocks if block != null]
+        out.append([null] * (length - 1) + live[-1:] if live else [null] * length)
+    return out

@@ -26,6 +26,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.identities import PROMPT_CUT
 from kvpush.router.legs import GENERATION_ONLY
 
 # Fields of the client's body that keep a request on the relay-only path.
@@ -98,6 +99,8 @@ def opening(answer: dict[str, Any], body: dict[str, Any], chat: bool) -> Opening
     choices = answer.get("choices")
     if not isinstance(choices, list) or not choices:
         return None
+    if (answer.get("kv_transfer_params") or {}).get(PROMPT_CUT):
+        return None  # prefill stopped before the prompt's last token: no first token
     wants_ids = bool(body.get("return_token_ids"))
     head = {
         "id": answer.get("id"),

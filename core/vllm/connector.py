@@ -18,10 +18,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvpush.identities import PROMPT_CUT
 from kvpush.vllm import hooks
 from kvpush.vllm.compat import warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
-from kvpush.vllm.groups import transfer_groups, window_lost, windows
+from kvpush.vllm.groups import (
+    leave_last_token,
+    recurrent,
+    state_layers,
+    transfer_groups,
+    window_lost,
+    windows,
+)
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
@@ -82,6 +90,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         groups = transfer_groups(kv_cache_config)  # refuses a group it cannot move
         self._windows = windows(kv_cache_config) if kv_cache_config is not None else ()
+        self._states = recurrent(kv_cache_config) if kv_cache_config is not None else ()
         if role == KVConnectorRole.SCHEDULER:
             warn_known_defects(vllm_config)
             if transfer.kv_role != "kv_consumer" and any(self._windows):
@@ -102,6 +111,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 block_pages=not _cpu_attention(vllm_config),
                 kv_groups=groups,
                 windowed=any(self._windows),
+                states=self._states,
             )
             # vLLM's Scheduler is being built, in its engine: both are on the stack.
             synchronous = vllm_config.scheduler_config.async_scheduling is False
@@ -132,12 +142,18 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
                 cpu_attention=_cpu_attention(vllm_config),
                 groups=groups,
+                state_layers=state_layers(kv_cache_config),
+                states=len(self._states),
             )
 
     # -- scheduler side ----------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        # Named (kvpush.vllm.transfers) by its whole prompt, as its decode leg is.
         self._sched().on_new_request(request)
+        params = request.kv_transfer_params or {}
+        if self._states and params.get("do_remote_decode") and leave_last_token(request):
+            self._sched().ledger.prefill.left_last_token(request.request_id)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -170,7 +186,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 lost,
                 request.request_id,
             )
-        return scheduler.request_finished(request, block_ids, spoiled=bool(lost))
+        keep, echo = scheduler.request_finished(request, block_ids, spoiled=bool(lost))
+        if echo is not None and (request.kv_transfer_params or {}).get(PROMPT_CUT):
+            echo[PROMPT_CUT] = True  # its one generated token is not the prompt's next
+        return keep, echo
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().update_connector_output(connector_output)

@@ -7,9 +7,16 @@ block id names bytes in one group at a time, and the pair of ids at a block posi
 moves through every tensor (kvpush.layout). A transfer carries one list: position i's
 id of each group in turn.
 
-A group kvpush cannot move is refused at start, naming it: recurrent state (Mamba,
-gated DeltaNet), chunked local attention, groups of another block size, groups
-vLLM keeps out of transfers.
+A recurrent-state group (Mamba, gated DeltaNet) overlays the same memory: a block
+of it is one request's whole state after some token, and only the last one a
+request holds matters to decode (kvpush.engine.steps.state_positions). Its state
+after the whole prompt would make decode, which recomputes the last prompt token,
+apply that token twice, so a prefill leg of such a model computes all but the last
+token (`leave_last_token`), as upstream's connector does.
+
+A group kvpush cannot move is refused at start, naming it: a model of recurrent
+state alone, speculative state slots, chunked local attention, groups of another
+block size, groups vLLM keeps out of transfers.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpush.errors import ConfigError
+from kvpush.identities import PROMPT_CUT
 
 # vLLM pads a block table's positions that a sliding window left with its null block,
 # the first block its pool hands out (id 0), which no request ever holds.
@@ -29,15 +37,19 @@ def transfer_groups(kv_cache_config: Any) -> int:
     ConfigError names a group kvpush cannot move, a lone one too: a pure Mamba
     model has one group, of recurrent state."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    states = recurrent(kv_cache_config)
     sizes = set()
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
+        if index in states:
+            _check_state(index, group, len(states) == len(groups))
+            continue
         if not _attention_kv(spec):
             raise ConfigError(
                 f"KV cache group {index} ({kind}, layers {group.layer_names[:3]}) is not "
-                "attention KV: kvpush moves full-attention and sliding-window groups only "
-                "(recurrent state such as Mamba's or gated DeltaNet's is not built)"
+                "attention KV or recurrent state: kvpush moves full-attention, "
+                "sliding-window and Mamba-style state groups only"
             )
         if len(groups) > 1 and not getattr(group, "enable_kv_transfer", True):
             raise ConfigError(
@@ -51,6 +63,56 @@ def transfer_groups(kv_cache_config: Any) -> int:
             "hybrid models whose groups share one block size"
         )
     return max(1, len(groups))
+
+
+def recurrent(kv_cache_config: Any) -> tuple[int, ...]:
+    """The KV cache groups that hold recurrent state (Mamba, gated DeltaNet)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec))
+
+
+def state_layers(kv_cache_config: Any) -> frozenset[str]:
+    """The layers of the recurrent-state groups."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return frozenset(name for i in recurrent(kv_cache_config) for name in groups[i].layer_names)
+
+
+def _check_state(index: int, group: Any, alone: bool) -> None:
+    spec = group.kv_cache_spec
+    if alone:
+        raise ConfigError(
+            f"KV cache group {index} ({type(spec).__name__}) holds recurrent state, and no "
+            "group holds attention KV: kvpush moves a model's state beside its attention "
+            "KV, and a model of Mamba-style layers alone is not built"
+        )
+    if spec.num_speculative_blocks:
+        raise ConfigError(
+            f"KV cache group {index} keeps {spec.num_speculative_blocks} speculative state "
+            "slots a request (speculative decoding): kvpush moves a request's one "
+            "running state, and cannot tell it from those slots"
+        )
+    if getattr(spec, "tp_replicated", False):
+        raise ConfigError(
+            f"KV cache group {index} holds recurrent state every TP rank keeps whole: "
+            "kvpush moves TP-sharded state (gated DeltaNet, Mamba) only"
+        )
+
+
+def leave_last_token(request: Any) -> bool:
+    """Have a prefill leg of a recurrent-state model compute all but its prompt's last
+    token (the decode leg computes that one from the state before it). Once a
+    request: vLLM may hand it over again after a preemption. True if cut."""
+    params = request.kv_transfer_params
+    tokens = request.prompt_token_ids
+    if params is None or params.get(PROMPT_CUT) or tokens is None or len(tokens) < 2:
+        return False
+    del tokens[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    params[PROMPT_CUT] = True
+    return True
 
 
 def _attention_kv(spec: Any) -> bool:

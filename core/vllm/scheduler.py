@@ -39,6 +39,7 @@ from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm import hooks
 from kvpush.vllm.bootstrap import BootstrapResolver, LegError
 from kvpush.vllm.config import ConnectorConfig, producer_allowed
+from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.identity import EPOCH_SEPARATOR, IdentityService
 from kvpush.vllm.landings import Landings
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
@@ -82,6 +83,7 @@ class SchedulerSide:
         block_pages: bool = True,
         kv_groups: int = 1,
         windowed: bool = False,
+        states: tuple[int, ...] = (),  # recurrent-state groups (kvpush.vllm.groups)
     ) -> None:
         self.config = config
         self.world = world
@@ -98,9 +100,8 @@ class SchedulerSide:
         self.me = IdentityService(
             config, engine_id, block_size, world, dp_rank, data_parallel, block_pages, kv_groups
         )
-        self.ledger = Ledger(
-            block_size, prefix_caching, recompute_on_failure, config.progressive, windowed
-        )
+        self.ledger = Ledger(block_size, prefix_caching, recompute_on_failure,
+                             config.progressive, windowed, states, NULL_BLOCK)  # fmt: skip
         self.bootstrap = bootstrap or BootstrapResolver()
         self._said: set[str] = set()  # what was logged once already
         self._ids = EngineTransfers(model=model_name)
@@ -343,8 +344,7 @@ class SchedulerSide:
         return api_request_id(request_id)
 
     def _recomputed(self, reason: str, message: str = "") -> None:
-        """A decode prompt no transfer serves: always in metrics, and once in the log
-        when the caller has not logged it itself."""
+        """A decode prompt no transfer serves: in metrics, and once in the log unless logged."""
         if message:
             self._once(reason, logging.WARNING, f"{message} (vllm:kvpush_local_recomputes_total)")
         self.counts["recomputed"][reason] += 1

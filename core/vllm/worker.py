@@ -47,12 +47,18 @@ def as_head_parts(kv_caches: dict[str, Any]) -> dict[str, Any]:
     return {name: cache.view(*cache.shape[:2], -1) for name, cache in kv_caches.items()}
 
 
-def one_view_each(kv_caches: dict[str, Any]) -> dict[str, Any]:
+def one_view_each(
+    kv_caches: dict[str, Any], state_layers: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """A hybrid model's KV cache groups overlay the same tensors, one layer of each
-    group viewing each: keep one view of each tensor, since a pair of block ids of
-    any group moves through every tensor (kvpush.vllm.groups)."""
+    group viewing each: keep one attention view of each tensor, since a pair of block
+    ids of any group moves through every tensor (kvpush.vllm.groups). A recurrent
+    layer's (`state_layers`) view of its state, or views (conv, then SSM state), must
+    lie inside the blocks of such a view, or a block would not carry them."""
     kept: dict[int, tuple[str, Any]] = {}
     for name, cache in kv_caches.items():
+        if name in state_layers:
+            continue
         first = kept.setdefault(cache.data_ptr(), (name, cache))
         if first[1].shape != cache.shape or first[1].stride() != cache.stride():
             raise ConfigError(
@@ -60,7 +66,26 @@ def one_view_each(kv_caches: dict[str, Any]) -> dict[str, Any]:
                 f"({tuple(first[1].shape)} and {tuple(cache.shape)}): kvpush cannot move "
                 "one block of both"
             )
+    attention = [cache for _, cache in kept.values()]
+    for name in state_layers & kv_caches.keys():
+        views = kv_caches[name]
+        for view in views if isinstance(views, list | tuple) else [views]:
+            _check_state_view(name, view, attention)
     return {name: cache for name, cache in kept.values()}
+
+
+def _check_state_view(name: str, view: Any, caches: list[Any]) -> None:
+    """A state view's block b must lie inside block b of an attention view."""
+    size = view.element_size()
+    start, stride = view.data_ptr(), view.stride(0) * size
+    for cache in caches:
+        base, block = cache.data_ptr(), cache.stride(0) * cache.element_size()
+        if block == stride and base <= start and start - base + view[0].numel() * size <= block:
+            return
+    raise ConfigError(
+        f"the recurrent state of layer {name} does not lie inside the blocks of any "
+        "attention layer's KV cache: kvpush moves blocks through the attention views only"
+    )
 
 
 def check_blocks_match(
@@ -109,10 +134,14 @@ class WorkerSide:
         kv_heads: int = 0,
         cpu_attention: bool = False,
         groups: int = 1,
+        state_layers: frozenset[str] = frozenset(),
+        states: int = 0,
     ) -> None:
         self.config = config
         self.cpu_attention = cpu_attention  # the cache is vLLM CPU attention's (VLLM_CPU_DIMS)
         self.groups = groups  # KV cache groups a transfer carries (kvpush.vllm.groups)
+        self.states = states  # of them, recurrent-state groups
+        self.state_layers = state_layers  # their layers
         self.engine_id = engine_id
         self.role = KV_ROLES[kv_role]
         self.rank, self.world = rank, world
@@ -155,7 +184,7 @@ class WorkerSide:
             RECORD.log_attached("worker")
         options = self.config.device_options
         if self.groups > 1:
-            kv_caches = one_view_each(kv_caches)
+            kv_caches = one_view_each(kv_caches, self.state_layers)
         if self.cpu_attention:
             tokens = next(iter(kv_caches.values())).shape[2]
             kv_caches, dims = as_head_parts(kv_caches), VLLM_CPU_DIMS
@@ -169,6 +198,7 @@ class WorkerSide:
             kv.layout,
             shard=self.shard,
             groups=self.groups,
+            states=self.states,
             null_block=NULL_BLOCK,
         )
         port = rank_port(self.config.port, self.dp_rank * self.world + self.rank)

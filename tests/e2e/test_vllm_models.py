@@ -1,9 +1,11 @@
 """The model shapes users deploy, each a tiny random-weight model built on the spot:
 MoE (Qwen3-MoE), MLA (DeepSeek-V3), sliding-window attention (Gemma 3, under vLLM's
-hybrid KV cache manager: a full-attention and a sliding-window KV cache group) and an
-FP8 KV cache. For each, a plain instance, a kvpush prefill and a kvpush decode behind
-`kvpush router`: answers equal the plain instance's, every prompt token's KV arrives
-by transfer, nothing is held."""
+hybrid KV cache manager: a full-attention and a sliding-window KV cache group),
+hybrid linear attention (Qwen3-Next: gated DeltaNet layers, whose recurrent state
+moves beside the full-attention KV) and an FP8 KV cache. For each, a plain instance,
+a kvpush prefill and a kvpush decode behind `kvpush router`: answers equal the plain
+instance's (up to bf16 ties, for the one model whose CPU kernels run only in bf16),
+every prompt token's KV arrives by transfer, nothing is held."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
 
 from kvpush.demo.tinymodel import build_tiny_model
-from kvpush.errors import KVPushError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -30,14 +31,27 @@ MODELS = {  # name: (architecture, extra vLLM arguments for every server)
     "sliding": ("gemma3_text", ()),
     "sliding-pull": ("gemma3_text", ()),
     "fp8-kv": ("llama", ("--kv-cache-dtype", "fp8")),
+    # A full-attention group and three of recurrent state; vLLM's CPU kernel for gated
+    # DeltaNet runs in bf16 only.
+    "gdn": ("qwen3_next", ("--dtype", "bfloat16")),
 }
 MODES = {"sliding-pull": "pull"}  # the rest push
 # What a P/D instance's log must say (role: words), and must not, per model.
 SLIDING_SAYS = {"prefill": "window_margin", "decode": "KV cache groups: 2"}
 SLIDING_NEVER = ("Turning off hybrid kv cache manager", "freed window blocks")
-LOG_SAYS = {"sliding": SLIDING_SAYS, "sliding-pull": SLIDING_SAYS}
+LOG_SAYS = {"sliding": SLIDING_SAYS, "sliding-pull": SLIDING_SAYS,
+            "gdn": {"decode": "KV cache groups: 4"}}  # fmt: skip
 LOG_NEVER = {"sliding": SLIDING_NEVER, "sliding-pull": SLIDING_NEVER}
 EXTERNAL = 'source="external_kv_transfer"'
+# vLLM's CPU gated-DeltaNet kernel keeps the recurrent state in bf16, and a P/D decode
+# starts from the state after all but the last prompt token: rounded once more than
+# a plain instance's, which computes the prompt in one piece. A tiny random model's
+# next-token distributions are nearly flat, so that flips greedy picks where two
+# tokens tie to a few hundredths of a nat. Such a model's answers are compared token
+# by token up to the first tie, where one instance must rate the other's pick within
+# TIE nats of its own; every pick's logprob must agree within TIE.
+TIED = {"gdn"}
+TIE = 0.1
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -74,6 +88,31 @@ def _external(client: Client, url: str) -> float:
     )
 
 
+def _picks(client: Client, url: str, tokens: list[int]) -> list[tuple[int, dict[int, float]]]:
+    """Each generated token with the top logprobs at its position (its own among them)."""
+    response = client.complete(url, tokens, 12, logprobs=20, return_tokens_as_token_ids=True)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    tops = choice["logprobs"]["top_logprobs"]
+    return [
+        (token, {int(k.rsplit(":", 1)[1]): v for k, v in top.items()})
+        for token, top in zip(choice["token_ids"], tops, strict=True)
+    ]
+
+
+def _agree_up_to_a_tie(ours: list, plain: list) -> bool:
+    """Whether the answers are equal; if not, they part only at a tie (TIE)."""
+    for position, ((mine, my_top), (theirs, their_top)) in enumerate(zip(ours, plain, strict=True)):
+        assert abs(my_top[mine] - their_top[theirs]) < TIE, (position, my_top, their_top)
+        if mine != theirs:
+            # Tied in either instance's eyes: the other's pick within TIE of its own.
+            tied = [top[a] - top[b] < TIE for top, a, b in ((their_top, theirs, mine),
+                    (my_top, mine, theirs)) if b in top]  # fmt: skip
+            assert any(tied), (position, mine, theirs, my_top, their_top)
+            return False
+    return True
+
+
 def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, client, model_trio):
     name, router = model_trio
     single, decode = (cluster.servers[f"{name}_{s}"].url for s in ("single", "decode"))
@@ -82,14 +121,19 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
     lengths = (2, 17, 129, 300, 383, 511, 600)
     prompts = [prompt(n, 12000 + i) for i, n in enumerate(lengths)]
     before = _external(client, decode), client.metric(decode, "vllm:kvpush_delivered_total")
-    got = [client.tokens(router, p) for p in prompts]
-    assert got == [client.tokens(single, p) for p in prompts]
+    if name in TIED:
+        whole = [_agree_up_to_a_tie(_picks(client, router, p), _picks(client, single, p))
+                 for p in prompts]  # fmt: skip
+        print(f"{name}: {sum(whole)} of {len(prompts)} answers equal to the plain instance's")
+    else:
+        got = [client.tokens(router, p) for p in prompts]
+        assert got == [client.tokens(single, p) for p in prompts]
     deadline = time.monotonic() + 10  # decode's counters ride on its engine's steps
     while client.metric(decode, "vllm:kvpush_delivered_total") < before[1] + len(prompts):
         assert time.monotonic() < deadline, "decode did not receive every prompt's KV"
         time.sleep(0.2)
-    # A sliding-window model's decode computes each prompt's last token itself.
-    computed_here = len(lengths) if name.startswith("sliding") else 0
+    # A sliding-window or recurrent model's decode computes each prompt's last token.
+    computed_here = len(lengths) if name.startswith("sliding") or name in TIED else 0
     assert _external(client, decode) - before[0] == sum(lengths) - computed_here
     for server in ("prefill", "decode"):
         state = client.wait_drained(cluster.identity_url(f"{name}_{server}"))
@@ -99,20 +143,3 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
         assert says is None or says in log, (server, says)
         for never in LOG_NEVER.get(name, ()):
             assert never not in log, (server, never)
-
-
-def test_a_hybrid_linear_attention_model_is_refused_at_start_naming_why(cluster):
-    """Qwen3-Next's gated DeltaNet layers keep recurrent state, not KV blocks, which
-    kvpush does not move: the instance must not start, and its log must name the
-    group it cannot move."""
-    path = build_tiny_model(cluster.workdir / "model-gdn", architecture="qwen3_next")
-    cluster.add_server("gdn_prefill", "kv_producer", core=0, model=path, **PREFILL_TIMERS)
-    server = cluster.servers["gdn_prefill"]
-    try:
-        with pytest.raises(KVPushError, match="exited"):
-            cluster.start("gdn_prefill", timeout=300)
-        log = server.log_path.read_text(errors="replace")
-        assert "is not attention KV" in log
-        assert "gated DeltaNet" in log
-    finally:
-        cluster.servers.pop("gdn_prefill").stop()

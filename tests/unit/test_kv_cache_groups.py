@@ -12,9 +12,9 @@ import pytest
 from protocol_sim import hello, layout
 
 from kvpush.engine.ledger import Ledger
-from kvpush.engine.steps import Announce
+from kvpush.engine.steps import Announce, state_positions
 from kvpush.errors import RegionError
-from kvpush.layout import interleave, moving_pairs, plan
+from kvpush.layout import Shard, interleave, moving_pairs, plan
 from kvpush.protocol import actions as act
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import Consumer, Source
@@ -209,3 +209,49 @@ def test_a_sliding_window_decode_loads_all_but_the_last_token_and_computes_that_
     cached = Ledger(block_size=16, windowed=True)
     cached.decode.announced("d1", "t1", Announce("t1", ("p:1",), "engine-p"))
     assert cached.decode.matched("d1", prompt_len=64, computed=63).local  # nothing to load
+
+
+# -- recurrent state (Mamba, gated DeltaNet) -------------------------------------------
+
+
+def test_state_positions_keep_a_state_groups_running_state_at_the_last_position():
+    full, state = [11, 12, 13], [0, 21, 22]  # vLLM's "align" mode: a checkpoint, then the state
+    assert state_positions([full, state], (1,), NULL, 3) == [[11, 12, 13], [0, 0, 22]]
+    assert state_positions([full, [22]], (1,), NULL, 3) == [[11, 12, 13], [0, 0, 22]]  # "none"
+    assert state_positions([full, [0, 0]], (1,), NULL, 3) == [[11, 12, 13], [0, 0, 0]]
+    assert state_positions([full, state], (1,), NULL, 2) == [[11, 12], [0, 22]]
+
+
+def test_a_recurrent_models_legs_pair_the_prefills_last_state_with_decodes():
+    """Prefill computes 63 of a 64-token prompt (the decode leg computes the last one):
+    its state after token 63 lands in the block decode reads it from."""
+    prefill = Ledger(block_size=16, states=(1,), null=NULL)
+    prefill.prefill.arrived("p1", "xfer-1", "base", prompt_len=64, named_here=False)
+    prefill.prefill.left_last_token("p1")
+    prefill.prefill.blocks_assigned("p1", [[1, 2], [0, 8]], resumed=False)
+    prefill.prefill.step_scheduled({"p1": 32})
+    (progress,) = prefill.take_plan().progress
+    assert progress.block_ids == (1, 0, 2, 8)  # 8 is decode's null position: nothing moves
+    prefill.prefill.blocks_assigned("p1", [[3, 4], [9, 0]], resumed=False)
+    prefill.prefill.step_scheduled({"p1": 63})
+    (produce,) = prefill.take_plan().produces
+    assert produce.block_ids == (1, 0, 2, 0, 3, 0, 4, 9)
+
+    decode = Ledger(block_size=16, states=(1,), null=NULL)
+    decode.decode.announced("d1", "t1", Announce("t1", ("p:1",), "engine-p"))
+    assert decode.decode.matched("d1", prompt_len=64, computed=16).tokens == 47
+    assert decode.decode.allocated("d1", [[31, 32, 33, 34], [0, 0, 0, 44]], external_tokens=47)
+    (expect,) = decode.take_plan().expects
+    assert expect.block_ids == (32, 0, 33, 0, 34, 44)
+    assert expect.skip_blocks == 2
+
+
+def test_recurrent_state_pairs_at_equal_tp_and_equal_state_groups_only():
+    states = msgspec.structs.replace(_layout(3), states=1)
+    with pytest.raises(RegionError, match="recurrent-state groups: the producer has 1, the consum"):
+        plan(states, _layout(3))
+    wide = msgspec.structs.replace(states, shard=Shard(0, 2, 2))
+    with pytest.raises(RegionError, match="producer runs TP 1 and the consumer TP 2 with recurr"):
+        plan(states, wide)
+    src, dst = plan(states, states)
+    assert len(src) == len(dst) > 0

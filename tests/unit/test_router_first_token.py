@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 from test_router_app import ECHO, Fake, _close, _serve, run
 
+from kvpush.identities import PROMPT_CUT
 from kvpush.router.first_token import DecodeEdit, First, Opening, opening
 
 PROMPT = [11, 12, 13]
@@ -303,6 +304,12 @@ def test_an_answer_this_path_cannot_stand_on_is_no_opening():
     assert opening(tool_call, body, chat=True) is None
     no_ids = {"choices": [{"index": 0, "text": "A"}], "usage": {"prompt_tokens": 3}}
     assert opening(no_ids, body, chat=False) is None
+    # A recurrent-state model's prefill leg stopped before the prompt's last token.
+    whole = {"choices": [{"index": 0, "text": "A", "token_ids": [7],
+             "prompt_token_ids": PROMPT}], "usage": {"prompt_tokens": 3}}  # fmt: skip
+    assert opening(whole, body, chat=False) is not None
+    cut = {**whole, "kv_transfer_params": {PROMPT_CUT: True}}
+    assert opening(cut, body, chat=False) is None
 
 
 def test_a_chat_choice_continues_as_a_completion_of_its_token_ids_shown_as_chat():

@@ -12,9 +12,12 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from kvpush.errors import ConfigError
+from kvpush.identities import PROMPT_CUT
 from kvpush.vllm import hooks
 from kvpush.vllm.groups import (
     NULL_BLOCK,
+    leave_last_token,
+    recurrent,
     transfer_groups,
     window_lost,
     windows,
@@ -50,12 +53,44 @@ def test_full_and_sliding_window_groups_are_moved_together():
     assert windows(_config(_full())) == (0,)
 
 
-def test_recurrent_state_groups_are_refused_naming_the_group():
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec.*is not attention KV"):
-        transfer_groups(_config(_full(), mamba))
-    with pytest.raises(ConfigError, match=r"group 0 \(MambaSpec.*is not attention KV"):
-        transfer_groups(_config(mamba))  # a pure Mamba model: one group, still state
+def _mamba(**kw) -> MambaSpec:
+    return MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,), **kw)
+
+
+def test_recurrent_state_moves_beside_attention_kv_and_is_refused_alone_or_speculative():
+    # In vLLM's "none" cache mode a state group's block spans the whole context: its
+    # block size is not the attention groups', and need not be.
+    config = _config(_full(), _mamba(), MambaSpec(block_size=4096, shapes=((4, 8),),
+                                                  dtypes=(torch.float32,)))  # fmt: skip
+    assert transfer_groups(config) == 3
+    assert recurrent(config) == (1, 2)
+    assert recurrent(_config(_full(), _sliding())) == ()
+    with pytest.raises(ConfigError, match=r"group 0 \(MambaSpec\) holds recurrent state, and no"):
+        transfer_groups(_config(_mamba()))  # a pure Mamba model
+    with pytest.raises(ConfigError, match="group 1 keeps 2 speculative state slots"):
+        transfer_groups(_config(_full(), _mamba(num_speculative_blocks=2)))
+    with pytest.raises(ConfigError, match="group 1 holds recurrent state every TP rank keeps"):
+        transfer_groups(_config(_full(), _mamba(tp_replicated=True)))
+
+
+class _Request:
+    def __init__(self, tokens: list[int], params: dict | None) -> None:
+        self.prompt_token_ids = list(tokens)
+        self._all_token_ids = list(tokens)
+        self.num_prompt_tokens = len(tokens)
+        self.kv_transfer_params = params
+
+
+def test_a_prefill_leg_of_a_recurrent_model_leaves_its_last_token_once():
+    request = _Request([5, 6, 7], {"do_remote_decode": True})
+    assert leave_last_token(request)
+    assert (request.prompt_token_ids, request._all_token_ids) == ([5, 6], [5, 6])
+    assert request.num_prompt_tokens == 2 and request.kv_transfer_params[PROMPT_CUT]
+    assert not leave_last_token(request)  # again after a preemption: still two tokens
+    assert request.prompt_token_ids == [5, 6]
+    one = _Request([5], {"do_remote_decode": True})  # nothing would be left to compute
+    assert not leave_last_token(one) and one.prompt_token_ids == [5]
+    assert not leave_last_token(_Request([5, 6], None))
 
 
 def test_groups_of_different_block_sizes_or_kept_out_of_transfers_are_refused():
@@ -135,3 +170,31 @@ def test_one_view_of_each_tensor_the_groups_overlay():
     assert list(one_view_each(views)) == ["full.0", "full.1"]
     with pytest.raises(ConfigError, match="share KV cache memory in different shapes"):
         one_view_each({"a": shared, "b": shared.view(8, 2, 128)})
+
+
+def _state_views(raw: torch.Tensor, page: int) -> list[torch.Tensor]:
+    """As vLLM views a Mamba layer's pages of a shared raw buffer: conv state, then
+    SSM state, each block `page` elements apart."""
+    blocks = raw.numel() // page
+    conv = torch.as_strided(raw, (blocks, 3, 4), (page, 4, 1))
+    ssm = torch.as_strided(raw, (blocks, 2, 8), (page, 8, 1), storage_offset=12)
+    return [conv, ssm]
+
+
+def test_a_recurrent_layers_state_must_lie_inside_the_attention_blocks():
+    raw = torch.zeros(8 * 64)
+    attention = raw.view(8, 2, 4, 8)  # a block of 64 elements
+    views = {"attn.3": attention, "gdn.0": _state_views(raw, 64), "gdn.1": _state_views(raw, 64)}
+    states = frozenset({"gdn.0", "gdn.1"})
+    assert list(one_view_each(views, states)) == ["attn.3"]
+    # vLLM's CPU build hands a state layer's page as one tensor of bytes.
+    as_bytes = torch.as_strided(raw.view(torch.uint8), (8, 1, 1, 112), (256, 112, 112, 1))
+    assert list(one_view_each({"attn.3": attention, "gdn.0": as_bytes}, states)) == ["attn.3"]
+    with pytest.raises(ConfigError, match="share KV cache memory in different shapes"):
+        one_view_each({"attn.3": attention, "gdn.0": as_bytes})  # not named a state layer
+    other = torch.zeros(8 * 64)
+    with pytest.raises(ConfigError, match=r"state of layer gdn\.0 does not lie inside"):
+        one_view_each({"attn.3": attention, "gdn.0": _state_views(other, 64)}, states)
+    small = torch.zeros(16 * 32)  # blocks of 32, state pages 64 apart
+    with pytest.raises(ConfigError, match=r"state of layer gdn\.0 does not lie inside"):
+        one_view_each({"attn.3": small.view(16, 2, 2, 8), "gdn.0": _state_views(small, 64)}, states)
