@@ -59,6 +59,7 @@ class InstanceIdentity(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0  # tokens per block (0: not said)
     block_pages: bool = True  # a peer of another block size may take its blocks as pages
     kv_groups: int = 1  # KV cache groups a transfer carries (hybrid models)
+    kv_states: int = 0  # of them, recurrent-state groups (kvpush.vllm.groups)
     dp_rank: int = 0
     data_parallel: bool = False
     ranks: list[RankIdentity] = []
@@ -156,6 +157,7 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
         "remote_block_size": identity.block_size,
         "remote_block_pages": identity.block_pages,
         "remote_kv_groups": identity.kv_groups,
+        "remote_kv_states": identity.kv_states,
         "remote_dp_rank": identity.dp_rank,
         "remote_data_parallel": identity.data_parallel,
     }
@@ -209,6 +211,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> InstanceIdentity | No
         "block_size": params.get("remote_block_size", 0),
         "block_pages": params.get("remote_block_pages", True),
         "kv_groups": params.get("remote_kv_groups", 1),
+        "kv_states": params.get("remote_kv_states", 0),
         "dp_rank": params.get("remote_dp_rank", 0),
         "data_parallel": params.get("remote_data_parallel", False),
     }

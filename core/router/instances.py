@@ -109,6 +109,16 @@ def pairing_problem(prefill: InstanceIdentity, decode: InstanceIdentity) -> str 
             f"KV cache groups differ: prefill {prefill.kv_groups}, decode {decode.kv_groups} "
             "(another model, or vLLM's hybrid KV cache manager on one side only)"
         )
+    if prefill.kv_states != decode.kv_states:
+        return (
+            f"recurrent-state groups differ: prefill {prefill.kv_states}, decode "
+            f"{decode.kv_states} (another model)"
+        )
+    if prefill.kv_states and prefill.tp_size != decode.tp_size:
+        return (
+            f"prefill runs TP {prefill.tp_size} and decode TP {decode.tp_size} with "
+            "recurrent state (Mamba, gated DeltaNet): such models pair at equal TP only"
+        )
     if prefill.block_size and decode.block_size:
         problem = block_size_problem(
             prefill.block_size, decode.block_size, prefill.block_pages, decode.block_pages

@@ -113,6 +113,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 windowed=any(self._windows),
                 states=self._states,
             )
+            self._scheduler.me.kv_states = len(self._states)
             # vLLM's Scheduler is being built, in its engine: both are on the stack.
             synchronous = vllm_config.scheduler_config.async_scheduling is False
             self._scheduler.landings.attach(parallel.pipeline_parallel_size, synchronous)
@@ -176,7 +177,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = self._vllm_config.cache_config.block_size
         lost = []
         if request.request_id in scheduler.ledger.prefill.legs:  # a decode's own are freed
-            lost = window_lost(block_ids, self._windows, request.num_prompt_tokens, block_size)
+            lost = window_lost(
+                block_ids, self._windows, request.num_prompt_tokens, block_size, self._states
+            )
         if lost:
             # Only without the window margin (hooks.keep_window_margin): a block the
             # WRITE reads may be reused. Abandon what is not delivered yet, and say so.

@@ -136,13 +136,20 @@ def windows(kv_cache_config: Any) -> tuple[int, ...]:
 
 
 def window_lost(
-    groups: Sequence[Sequence[int]], windows: Sequence[int], prompt_len: int, block_size: int
+    groups: Sequence[Sequence[int]],
+    windows: Sequence[int],
+    prompt_len: int,
+    block_size: int,
+    states: Sequence[int] = (),
 ) -> list[int]:
     """The groups in which vLLM freed a block a finished prefill leg's decode reads:
     decode recomputes the prompt's last token, whose window reaches back to token
-    prompt_len - window, so from that token's block on none may be the null block."""
+    prompt_len - window, so from that token's block on none may be the null block.
+    Recurrent-state groups (`states`) hold null blocks by design and are not read."""
     lost = []
     for index, (blocks, window) in enumerate(zip(groups, windows, strict=False)):
+        if index in states:
+            continue
         first = max(0, prompt_len - window) // block_size if window else 0
         if NULL_BLOCK in blocks[first:]:
             lost.append(index)

@@ -93,6 +93,7 @@ class IdentityService:
     ) -> None:
         self.config = config
         self.kv_groups = kv_groups
+        self.kv_states = 0  # of them, recurrent-state groups: the connector says how many
         self.engine_id = engine_id
         self.block_size = block_size
         self.world = world
@@ -133,6 +134,7 @@ class IdentityService:
             block_size=self.block_size,
             block_pages=self.block_pages,
             kv_groups=self.kv_groups,
+            kv_states=self.kv_states,
             dp_rank=self.dp_rank,
             data_parallel=self.data_parallel,
             addresses=[self._ranks[r].address for r in sorted(self._ranks)],

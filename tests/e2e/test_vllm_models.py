@@ -41,7 +41,8 @@ SLIDING_SAYS = {"prefill": "window_margin", "decode": "KV cache groups: 2"}
 SLIDING_NEVER = ("Turning off hybrid kv cache manager", "freed window blocks")
 LOG_SAYS = {"sliding": SLIDING_SAYS, "sliding-pull": SLIDING_SAYS,
             "gdn": {"decode": "KV cache groups: 4"}}  # fmt: skip
-LOG_NEVER = {"sliding": SLIDING_NEVER, "sliding-pull": SLIDING_NEVER}
+LOG_NEVER = {"sliding": SLIDING_NEVER, "sliding-pull": SLIDING_NEVER,
+             "gdn": ("freed window blocks",)}  # fmt: skip
 EXTERNAL = 'source="external_kv_transfer"'
 # vLLM's CPU gated-DeltaNet kernel keeps the recurrent state in bf16, and a P/D decode
 # starts from the state after all but the last prompt token: rounded once more than

@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpush.identities import decode_params, parse_identity
+from kvpush.identities import InstanceIdentity, decode_params, parse_identity
 from kvpush.ports import free_port
 from kvpush.router.app import Router, RouterConfig
-from kvpush.router.instances import Instance
+from kvpush.router.instances import Instance, pairing_problem
 
 ECHO = {"remote_engine_id": "e", "remote_epoch": "x", "transfer_mode": "push",
         "remote_addresses": ["127.0.0.1:1"], "tp_size": 1}  # fmt: skip
@@ -537,8 +537,12 @@ def test_requests_go_only_to_a_decode_whose_blocks_and_ranks_pair_with_prefill(m
             {**_identity("d", 128, tp_size=2), "kv_groups": 2},
             ["KV cache groups differ: prefill 1, decode 2", "hybrid KV cache manager"],
         ),
+        (
+            {**_identity("d", 128, tp_size=2), "kv_states": 3},
+            ["recurrent-state groups differ: prefill 0, decode 3"],
+        ),
     ],
-    ids=["block-size", "tensor-parallel", "block-size-unpaged", "kv-groups"],
+    ids=["block-size", "tensor-parallel", "block-size-unpaged", "kv-groups", "kv-states"],
 )
 def test_a_pair_that_cannot_exchange_kv_is_refused_with_both_sides_values(mode, decode, named):
     prefill = _identity("p", 128, tp_size=2, mode=mode)
@@ -552,6 +556,18 @@ def test_a_pair_that_cannot_exchange_kv_is_refused_with_both_sides_values(mode, 
     # Refused before either instance did any work: both identities were known.
     assert decode_fake.bodies == [] and prefill_fake.bodies == []
     assert refusals == 2
+
+
+def test_recurrent_state_pairs_only_at_equal_tp_in_the_routers_eyes():
+    def shape(tp_size: int, states: int) -> InstanceIdentity:
+        return parse_identity({**_identity("x", 256, tp_size=tp_size), "kv_groups": 4,
+                               "kv_states": states})  # fmt: skip
+
+    assert pairing_problem(shape(2, 3), shape(2, 3)) is None
+    assert "prefill runs TP 2 and decode TP 1 with recurrent state" in pairing_problem(
+        shape(2, 3), shape(1, 3)
+    )
+    assert pairing_problem(shape(2, 0), shape(1, 0)) is None  # attention KV maps heads
 
 
 def test_a_pull_router_that_learns_prefill_from_its_answer_refuses_before_decode():

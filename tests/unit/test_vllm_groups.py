@@ -73,6 +73,13 @@ def test_recurrent_state_moves_beside_attention_kv_and_is_refused_alone_or_specu
         transfer_groups(_config(_full(), _mamba(tp_replicated=True)))
 
 
+def test_a_state_groups_null_blocks_are_no_lost_window():
+    """vLLM's "align" mode leaves a state group's earlier positions null by design."""
+    full, state = [11, 12, 13], [0, 0, 23]
+    assert window_lost([state, full], (0, 0), 40, BLOCK) == [0]  # were it read as KV
+    assert window_lost([state, full], (0, 0), 40, BLOCK, states=(0,)) == []
+
+
 class _Request:
     def __init__(self, tokens: list[int], params: dict | None) -> None:
         self.prompt_token_ids = list(tokens)
