@@ -15,6 +15,7 @@ import time
 import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
 
+from kvpush.demo.servers import MODEL_NAME
 from kvpush.demo.tinymodel import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -144,3 +145,12 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
         assert says is None or says in log, (server, says)
         for never in LOG_NEVER.get(name, ()):
             assert never not in log, (server, never)
+    if name in TIED:
+        # Its prefill leg stops before the last prompt token, so a streaming client's
+        # first token comes from decode: the stream is the answer, not prefill's pick.
+        body = {"model": MODEL_NAME, "prompt": prompts[3], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        answer = client.http.post(router + "/v1/completions", json=body).json()
+        unusable = client.metric(router, "kvpush_first_token_unusable_total")
+        assert client.stream_text(router, "/v1/completions", body) == answer["choices"][0]["text"]
+        assert client.metric(router, "kvpush_first_token_unusable_total") == unusable + 1
