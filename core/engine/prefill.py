@@ -139,7 +139,7 @@ class PrefillLegs:
     def _blocks(self, leg: PrefillLeg) -> tuple[int, ...]:
         groups = leg.groups
         if self.states:
-            length = max(len(g) for i, g in enumerate(groups) if i not in self.states)
+            length = max((len(g) for i, g in enumerate(groups) if i not in self.states), default=0)
             groups = state_positions(groups, self.states, self.null, length)
         return tuple(interleave(groups))
 

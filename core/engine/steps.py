@@ -102,5 +102,5 @@ def state_positions(
             out.append(list(blocks[:length]))
             continue
         live = [block for block in blocks if block != null]
-        out.append([null] * (length - 1) + live[-1:] if live else [null] * length)
+        out.append([null] * (length - 1) + live[-1:] if live and length else [null] * length)
     return out

@@ -220,6 +220,7 @@ def test_state_positions_keep_a_state_groups_running_state_at_the_last_position(
     assert state_positions([full, [22]], (1,), NULL, 3) == [[11, 12, 13], [0, 0, 22]]  # "none"
     assert state_positions([full, [0, 0]], (1,), NULL, 3) == [[11, 12, 13], [0, 0, 0]]
     assert state_positions([full, state], (1,), NULL, 2) == [[11, 12], [0, 22]]
+    assert state_positions([[], state], (1,), NULL, 0) == [[], []]  # no positions yet
 
 
 def test_a_recurrent_models_legs_pair_the_prefills_last_state_with_decodes():
