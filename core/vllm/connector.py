@@ -95,6 +95,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             warn_known_defects(vllm_config)
             if transfer.kv_role != "kv_consumer" and any(self._windows):
                 hooks.keep_window_margin(kv_cache_config)
+            if transfer.kv_role != "kv_consumer" and self._states:
+                hooks.allow_prompt_cut()
             cache = vllm_config.cache_config
             self._scheduler = SchedulerSide(
                 config,

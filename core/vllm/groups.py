@@ -12,7 +12,8 @@ of it is one request's whole state after some token, and only the last one a
 request holds matters to decode (kvpush.engine.steps.state_positions). Its state
 after the whole prompt would make decode, which recomputes the last prompt token,
 apply that token twice, so a prefill leg of such a model computes all but the last
-token (`leave_last_token`), as upstream's connector does.
+token (`leave_last_token`, through the `prompt_cut` hook), as upstream's connector
+does.
 
 A group kvpush cannot move is refused at start, naming it: a model of recurrent
 state alone, speculative state slots, chunked local attention, groups of another
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvpush.errors import ConfigError
 from kvpush.identities import PROMPT_CUT
+from kvpush.vllm import hooks
 
 # vLLM pads a block table's positions that a sliding window left with its null block,
 # the first block its pool hands out (id 0), which no request ever holds.
@@ -108,9 +110,7 @@ def leave_last_token(request: Any) -> bool:
     tokens = request.prompt_token_ids
     if params is None or params.get(PROMPT_CUT) or tokens is None or len(tokens) < 2:
         return False
-    del tokens[-1]
-    del request._all_token_ids[-1]
-    request.num_prompt_tokens -= 1
+    hooks.cut_last_prompt_token(request)
     params[PROMPT_CUT] = True
     return True
 

@@ -1,7 +1,7 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it nine times, each a Hook below: what it
+objects around them. kvpush reaches past it ten times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
@@ -159,6 +159,15 @@ HOOKS = {
             "a landing reaches decode's scheduler only with the output of the step "
             "after it: one more step (an empty round trip to the workers when idle) "
             "before decode computes",
+        ),
+        Hook(
+            "prompt_cut",
+            "a prefill leg's Request.prompt_token_ids, _all_token_ids and "
+            "num_prompt_tokens, each one token shorter, from on_new_request",
+            ("0.32",),
+            True,
+            "a prefill instance of a recurrent-state model (gated DeltaNet, Mamba) "
+            "refuses to start (its decode would apply the prompt's last token twice)",
         ),
         Hook(
             "park_workers",
@@ -576,6 +585,32 @@ def _writer_spin(executor: Any) -> Any | None:
 # -- kvpush doctor -----------------------------------------------------------------------
 
 
+# -- prompt_cut (scheduler process, a producer of a recurrent-state model) ------------
+
+
+def allow_prompt_cut() -> None:
+    """A producer of a recurrent-state model has its prefill legs stop one token
+    short (kvpush.vllm.groups). ConfigError where it cannot: decode would then
+    apply the prompt's last token to a state that holds it already."""
+    problem = _static_problem("prompt_cut") if RECORD.allowed("prompt_cut") else "off"
+    if problem:
+        if problem != "off":
+            RECORD.missed("prompt_cut", problem)
+        raise ConfigError(
+            "kvpush cannot have this prefill instance stop before each prompt's last "
+            "token (the prompt_cut hook is off), which a model with recurrent state "
+            "needs: serve it without disaggregation"
+        )
+    RECORD.attached("prompt_cut")
+
+
+def cut_last_prompt_token(request: Any) -> None:
+    """One token off the end of a request's prompt, everywhere vLLM 0.32 keeps it."""
+    del request.prompt_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+
+
 def probe() -> list[dict[str, Any]]:
     """Each hook against the installed vLLM, without starting an engine: whether its
     version was verified, and whether the targets that can be seen statically exist."""
@@ -633,6 +668,14 @@ def _static_problem(name: str) -> str:
             wanted = ("finished_recving_kv_req_ids", "def schedule", "WAITING_FOR_REMOTE_KVS")
             missing = [w for w in wanted if w not in source]
             return f"Scheduler has no {', '.join(missing)}" if missing else ""
+        if name == "prompt_cut":
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.request import Request
+
+            if "self._all_token_ids" not in _source(Request.__init__):
+                return "Request keeps no _all_token_ids"
+            added = _source(Scheduler.add_request)
+            return "" if "on_new_request(" in added else "add_request calls no on_new_request"
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 

@@ -21,6 +21,7 @@ def test_every_hook_declares_versions_a_target_and_a_cost():
     assert set(hooks.HOOKS) == {
         "connector_registry", "caller_kv_role", "engine_inbox", "idle_wait", "step_notify",
         "park_workers", "reader_spin", "window_margin", "landings_before_schedule",
+        "prompt_cut",
     }  # fmt: skip
     for hook in hooks.HOOKS.values():
         assert hook.verified and hook.reaches and hook.cost, hook
@@ -37,12 +38,15 @@ def test_on_an_unverified_vllm_the_risky_hooks_stay_off_and_say_what_it_costs(
         assert hooks.prepare_step_notify() is False
         assert hooks.bound_reader_spin(0.002, executor_side=False) is False
         assert hooks.ScheduleHook.attach(lambda: None) is None
+        with pytest.raises(ConfigError, match="prompt_cut hook is off"):
+            hooks.allow_prompt_cut()
     states = record.snapshot()
     for name in ("idle_wait", "engine_inbox", "step_notify", "park_workers", "reader_spin"):
         assert states[name] == "off: vLLM 0.40.1 is not among 0.32, 0.33", states
         assert hooks.HOOKS[name].cost in caplog.text
     assert states["landings_before_schedule"] == "off: vLLM 0.40.1 is not among 0.32", states
     assert hooks.HOOKS["landings_before_schedule"].cost in caplog.text
+    assert states["prompt_cut"] == "off: vLLM 0.40.1 is not among 0.32", states
     record.missed("idle_wait", "again")  # one warning per hook, not one per call
     assert caplog.text.count("hook idle_wait is off") == 1
 
