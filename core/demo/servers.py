@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from kvpush.errors import KVPushError
 from kvpush.vllm.config import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 
 MODEL_NAME = "tiny"
+# "ValueError: ...", "torch.OutOfMemoryError: ...": a traceback's last line.
+EXCEPTION_LINE = re.compile(r"(^|\s)([\w.]+(Error|Exception)): ")
 
 
 @dataclass
@@ -111,6 +114,7 @@ class VllmServer:
                 raise KVPushError(
                     f"vLLM server {self.spec.name!r} exited ({self.process.returncode}):\n"
                     + self.log_tail()
+                    + f"\n{self.spec.name}: {root_cause(self.log_tail(400))}"
                 )
             if self.healthy():
                 return
@@ -151,6 +155,22 @@ class VllmServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
             self.process = None
+
+
+def root_cause(log: str) -> str:
+    """The first exception a server's log names below its generic start-up failure.
+
+    vLLM's API process ends with "Engine core initialization failed. See root cause
+    above"; the cause is the engine core's own traceback, often more than a short tail
+    back. CI shows only the end of a failed run, so a start failure ends with this.
+    """
+    generic = "Engine core initialization failed"
+    causes = [
+        line.strip()
+        for line in log.splitlines()
+        if EXCEPTION_LINE.search(line) and generic not in line
+    ]
+    return causes[-1] if causes else "no exception in the log (killed? out of memory?)"
 
 
 def _group_gone(process: subprocess.Popen, timeout: float) -> bool:

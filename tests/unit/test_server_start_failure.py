@@ -1,0 +1,23 @@
+"""A vLLM server that fails to start names the engine's own exception last: CI shows
+only the end of a failed run, and vLLM's last line there is a generic one."""
+
+from kvpush.demo.servers import root_cause
+
+ENGINE_LOG = """\
+(EngineCore pid=11) ERROR EngineCore failed to start.
+(EngineCore pid=11) Traceback (most recent call last):
+(EngineCore pid=11)   File "core.py", line 9, in run_engine_core
+(EngineCore pid=11) ValueError: No available memory for the cache blocks.
+(APIServer pid=10) Traceback (most recent call last):
+(APIServer pid=10)   File "utils.py", line 1431, in wait_for_engine_startup
+(APIServer pid=10) RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+
+def test_the_engine_cores_exception_is_named_not_vllms_generic_line():
+    cause = root_cause(ENGINE_LOG)
+    assert cause.endswith("ValueError: No available memory for the cache blocks.")
+
+
+def test_a_log_without_an_exception_says_so():
+    assert "no exception" in root_cause("INFO starting\nKilled\n")
