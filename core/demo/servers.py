@@ -158,7 +158,7 @@ class VllmServer:
 
 
 def root_cause(log: str) -> str:
-    """The first exception a server's log names below its generic start-up failure.
+    """The last exception a server's log names, other than vLLM's generic start-up failure.
 
     vLLM's API process ends with "Engine core initialization failed. See root cause
     above"; the cause is the engine core's own traceback, often more than a short tail
