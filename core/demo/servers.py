@@ -111,10 +111,11 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
+                log = self.log_tail(400)
                 raise KVPushError(
                     f"vLLM server {self.spec.name!r} exited ({self.process.returncode}):\n"
-                    + self.log_tail()
-                    + f"\n{self.spec.name}: {root_cause(self.log_tail(400))}"
+                    + "\n".join(log.splitlines()[-40:])
+                    + f"\n{self.spec.name}: {root_cause(log)}"
                 )
             if self.healthy():
                 return
