@@ -37,6 +37,9 @@ MODELS = {  # name: (architecture, extra vLLM arguments for every server)
     "gdn": ("qwen3_next", ("--dtype", "bfloat16")),
 }
 MODES = {"sliding-pull": "pull"}  # the rest push
+# vLLM's CPU attention keeps an FP8 cache only with AVX-512 or AMX (cpu_attn.py); on
+# other CPUs every server of that shape, a plain one too, refuses to start.
+NEEDS_ISA = {"fp8-kv"}
 # What a P/D instance's log must say (role: words), and must not, per model.
 SLIDING_SAYS = {"prefill": "window_margin", "decode": "KV cache groups: 2"}
 SLIDING_NEVER = ("Turning off hybrid kv cache manager", "freed window blocks")
@@ -60,6 +63,8 @@ TIE = 0.1
 def model_trio(request, cluster):
     """A plain instance, a prefill and a decode for one model shape; the router's URL."""
     name = request.param
+    if name in NEEDS_ISA and not _cpu_has_fp8_kv_kernels():
+        pytest.skip("this CPU has neither AVX-512 nor AMX: vLLM's CPU build keeps no FP8 KV")
     architecture, extra_args = MODELS[name]
     mode = MODES.get(name, "push")
     path = build_tiny_model(cluster.workdir / f"model-{name}", architecture=architecture)
@@ -80,6 +85,12 @@ def model_trio(request, cluster):
         cluster.stop_router(name)
         for server in servers:
             cluster.servers.pop(server).stop()
+
+
+def _cpu_has_fp8_kv_kernels() -> bool:
+    import torch
+
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _external(client: Client, url: str) -> float:
