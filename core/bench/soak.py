@@ -87,6 +87,7 @@ class Settings:
     kv_extra: dict[str, Any] = field(default_factory=dict)  # more connector settings
     insecure: bool = False  # no shared secret (the instances run with 'insecure')
     model: Path | None = None  # None: the tiny model, built on the spot
+    kv_blocks: int | None = None  # each instance's KV cache blocks; None: what 1 GiB holds
     warm_up: int = 64  # flat out, eight at a time: the deployment's throughput
     settle_max_s: float = 300.0  # then the mix at the run's rate, until RSS levels off
     quiesce_s: float = 60.0  # the longest to wait for every instance to go quiet
@@ -390,7 +391,9 @@ class Soak:
         self.out.mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="kvpush-soak-"))
         model = self.settings.model or cached_tiny_model()
-        self.cluster = Cluster(workdir, model, insecure=self.settings.insecure)
+        self.cluster = Cluster(
+            workdir, model, insecure=self.settings.insecure, kv_blocks=self.settings.kv_blocks
+        )
         try:
             self._say("starting the servers")
             router = self._deploy()

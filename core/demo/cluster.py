@@ -39,10 +39,16 @@ class Cluster:
     """Servers and a router under one work directory; stop() ends them all."""
 
     def __init__(
-        self, workdir: Path, model: Path, secret: str | None = None, insecure: bool = False
+        self,
+        workdir: Path,
+        model: Path,
+        secret: str | None = None,
+        insecure: bool = False,
+        kv_blocks: int | None = None,
     ) -> None:
         self.workdir = workdir
         self.model = model
+        self.kv_blocks = kv_blocks  # each server's KV cache blocks; None: what 1 GiB holds
         # This deployment's own secret; none at all only when asked (a soak's baseline).
         self.secret = "" if insecure else secret or new_secret()
         self.servers: dict[str, VllmServer] = {}
@@ -72,6 +78,7 @@ class Cluster:
         spec = ServerSpec(
             name, model or self.model, free_port(), transfer, core=core,
             env={ENV_SECRET: self.secret} if self.secret else {ENV_INSECURE: "1"},
+            kv_blocks=self.kv_blocks,
         )  # fmt: skip
         if dp > 1:
             spec.extra_args += ["--data-parallel-size", str(dp)]

@@ -36,6 +36,9 @@ class ServerSpec:
     kv_transfer_config: dict[str, Any] | None = None
     core: int | str | None = None  # CPU core(s) for the worker's compute threads, e.g. "0-3"
     kv_cache_gib: int = 1  # vLLM reads whole GiB
+    # Fewer blocks than kv_cache_gib holds (vLLM's --num-gpu-blocks-override): a smaller
+    # cache to allocate and register at start, and less memory per server.
+    kv_blocks: int | None = None
     max_model_len: int = 2048
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -63,6 +66,8 @@ class VllmServer:
         ]  # fmt: skip
         if spec.kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
+        if spec.kv_blocks is not None:  # before extra_args: a test's own count wins
+            command += ["--num-gpu-blocks-override", str(spec.kv_blocks)]
         return command + spec.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -34,6 +34,9 @@ UPSTREAM_PREFILL_LEG = {
 DECODE_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0}
 # A prefill answer no decode announces is let go after orphan_grace_s: short here.
 PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0, "orphan_grace_s": 3.0}
+# Each server's KV cache: 131,072 tokens, far more than any test holds at once, and
+# an eighth of what 1 GiB gives the tiny model (less to allocate, register and keep).
+KV_BLOCKS = 1024
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -153,7 +156,7 @@ def client() -> Client:
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("vllm")
     model = build_tiny_model(workdir / "model")
-    cluster = Cluster(workdir, model)
+    cluster = Cluster(workdir, model, kv_blocks=KV_BLOCKS)
     cluster.add_server("single", None, core=1)
     # bootstrap_port: Mooncake-mode routers' GET /query (kvpush.vllm.bootstrap).
     cluster.add_server(

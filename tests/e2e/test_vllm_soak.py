@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import KV_BLOCKS
 
 from kvpush.bench import soak
 
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 SHORT = soak.Settings(
     requests=300, rate=3.0, faults=("kill-prefill", "stop-decode"), fault_interval_s=8.0,
     max_faults=2, deadline_s=90.0, warm_up=32, settle_max_s=20.0, quiesce_s=30.0, seed=14,
+    kv_blocks=KV_BLOCKS,
 )  # fmt: skip
 
 

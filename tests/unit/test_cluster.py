@@ -60,3 +60,16 @@ def test_each_deployment_has_its_own_secret_and_an_insecure_one_has_none(tmp_pat
     bare = Cluster(tmp_path, tmp_path, insecure=True)
     env = bare.add_server("p", "kv_producer", core=None).environment()
     assert ENV_SECRET not in env and env[ENV_INSECURE] == "1"
+
+
+def test_a_clusters_block_count_reaches_every_server_and_a_servers_own_count_wins(tmp_path):
+    cluster = Cluster(tmp_path, tmp_path / "model", kv_blocks=1024)
+    command = cluster.add_server("p", "kv_producer", core=0).command()
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "1024"
+    own = cluster.add_server("d", "kv_consumer", core=1)
+    own.spec.extra_args = ["--num-gpu-blocks-override", "12"]
+    flags = own.command()
+    # vLLM's parser keeps the last value given: the server's own.
+    assert flags[len(flags) - 1 - flags[::-1].index("--num-gpu-blocks-override") + 1] == "12"
+    plain = Cluster(tmp_path, tmp_path / "model").add_server("s", None, core=1).command()
+    assert "--num-gpu-blocks-override" not in plain
