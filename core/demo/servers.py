@@ -125,8 +125,11 @@ class VllmServer:
             if self.healthy():
                 return
             time.sleep(1.0)
+        # The name again last: CI shows only the end of a failed run.
         raise KVPushError(
-            f"vLLM server {self.spec.name!r} not healthy after {timeout:.0f}s:\n" + self.log_tail()
+            f"vLLM server {self.spec.name!r} not healthy after {timeout:.0f}s:\n"
+            + self.log_tail()
+            + f"\n{self.spec.name}: no answer on /health after {timeout:.0f}s (still running)"
         )
 
     def log_tail(self, lines: int = 40) -> str:

@@ -1,7 +1,13 @@
 """A vLLM server that fails to start names the engine's own exception last: CI shows
 only the end of a failed run, and vLLM's last line there is a generic one."""
 
-from kvpush.demo.servers import root_cause
+import subprocess
+
+import pytest
+
+from kvpush.demo.servers import ServerSpec, VllmServer, root_cause
+from kvpush.errors import KVPushError
+from kvpush.ports import free_port
 
 ENGINE_LOG = """\
 (EngineCore pid=11) ERROR EngineCore failed to start.
@@ -21,3 +27,16 @@ def test_the_engine_cores_exception_is_named_not_vllms_generic_line():
 
 def test_a_log_without_an_exception_says_so():
     assert "no exception" in root_cause("INFO starting\nKilled\n")
+
+
+def test_a_server_that_never_answers_is_named_last(tmp_path):
+    spec = ServerSpec("stuck_decode", tmp_path, free_port())
+    server = VllmServer(spec, tmp_path)
+    server.process = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        with pytest.raises(KVPushError) as failure:
+            server.wait_healthy(timeout=1.5)
+    finally:
+        server.stop()
+    last = str(failure.value).splitlines()[-1]
+    assert last.startswith("stuck_decode: no answer on /health") and "still running" in last
