@@ -34,8 +34,9 @@ UPSTREAM_PREFILL_LEG = {
 DECODE_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0}
 # A prefill answer no decode announces is let go after orphan_grace_s: short here.
 PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0, "orphan_grace_s": 3.0}
-# Each server's KV cache: 131,072 tokens, far more than any test holds at once, and
-# an eighth of what 1 GiB gives the tiny model (less to allocate, register and keep).
+# Each server's KV cache in blocks: 131,072 tokens at the CPU build's 128-token blocks
+# (16,384 at MLA's 16), more than any test holds at once, and an eighth of what 1 GiB
+# gives the tiny Llama: less to allocate, register and keep.
 KV_BLOCKS = 1024
 
 
