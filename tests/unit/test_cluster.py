@@ -69,7 +69,8 @@ def test_a_clusters_block_count_reaches_every_server_and_a_servers_own_count_win
     own = cluster.add_server("d", "kv_consumer", core=1)
     own.spec.extra_args = ["--num-gpu-blocks-override", "12"]
     flags = own.command()
-    # vLLM's parser keeps the last value given: the server's own.
-    assert flags[len(flags) - 1 - flags[::-1].index("--num-gpu-blocks-override") + 1] == "12"
+    # vLLM's parser keeps the last value given: the server's own, after the cluster's.
+    assert flags.count("--num-gpu-blocks-override") == 2
+    assert flags[-2:] == ["--num-gpu-blocks-override", "12"]
     plain = Cluster(tmp_path, tmp_path / "model").add_server("s", None, core=1).command()
     assert "--num-gpu-blocks-override" not in plain
