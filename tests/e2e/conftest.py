@@ -2,8 +2,9 @@
 
 Servers: a plain instance (the oracle), a prefill and a decode (kv_both, load-failure
 policy "recompute"). They start together, each pinned to a core, in a temp work dir
-that is removed afterwards with everything in it. Tests that need more servers start
-them for as long as they need them, so that at most six share the two cores.
+that is removed afterwards with everything in it, and only in a run that has a test
+needing them (`cluster`; `single` alone starts the oracle). Tests that need more servers
+start them for as long as they need them.
 """
 
 from __future__ import annotations
@@ -154,23 +155,41 @@ def client() -> Client:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The session's work directory, tiny model and servers, none started yet: modules
+    that bring their own servers need nothing more, and start no idle ones."""
     workdir = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_model(workdir / "model")
-    cluster = Cluster(workdir, model, kv_blocks=KV_BLOCKS)
-    cluster.add_server("single", None, core=1)
-    # bootstrap_port: Mooncake-mode routers' GET /query (kvpush.vllm.bootstrap).
-    cluster.add_server(
-        "prefill", "kv_producer", core=0, bootstrap_port=free_port(), **PREFILL_TIMERS
-    )
-    cluster.add_server("decode", "kv_both", core=1, policy="recompute", **DECODE_TIMERS)
+    cluster = Cluster(workdir, build_tiny_model(workdir / "model"), kv_blocks=KV_BLOCKS)
     try:
-        cluster.start()
         yield cluster
     finally:
         cluster.stop()
         if not os.environ.get("KVPUSH_KEEP_LOGS"):
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def single(workspace: Cluster) -> str:
+    """A plain instance (the oracle): its URL."""
+    if "single" not in workspace.servers:
+        workspace.add_server("single", None, core=1)
+        workspace.start("single")
+    return workspace.servers["single"].url
+
+
+@pytest.fixture(scope="session")
+def cluster(workspace: Cluster) -> Cluster:
+    """The plain instance, a prefill and a decode (started together where none runs yet)."""
+    added = []
+    if "single" not in workspace.servers:
+        added.append(workspace.add_server("single", None, core=1).spec.name)
+    # bootstrap_port: Mooncake-mode routers' GET /query (kvpush.vllm.bootstrap).
+    workspace.add_server(
+        "prefill", "kv_producer", core=0, bootstrap_port=free_port(), **PREFILL_TIMERS
+    )
+    workspace.add_server("decode", "kv_both", core=1, policy="recompute", **DECODE_TIMERS)
+    workspace.start(*added, "prefill", "decode")
+    return workspace
 
 
 @contextlib.contextmanager

@@ -149,12 +149,14 @@ def _drained(client: Client, identities: dict[str, str]) -> None:
 
 # Push with kvpush's backend is checked with several replicas (below).
 @pytest.mark.parametrize("mode", ["push-sequential", "pull"])
-def test_ray_pd_application_answers_as_a_plain_instance(cluster, ray_cluster, client, mode):
-    expected = _answers(client, cluster.servers["single"].url)
+def test_ray_pd_application_answers_as_a_plain_instance(
+    workspace, single, ray_cluster, client, mode
+):
+    expected = _answers(client, single)
     if mode == "push-sequential":  # Ray's default backend: NIXL's sequential shape
         KVConnectorBackendFactory.unregister_backend(kvpush.ray_serve.CONNECTOR)
     try:
-        url, identities = ray_cluster, _deploy(cluster.model, cluster.model, mode.split("-")[0])
+        url, identities = ray_cluster, _deploy(workspace.model, workspace.model, mode.split("-")[0])
         started = time.monotonic()
         assert _answers(client, url) == expected
         assert time.monotonic() - started < 120
@@ -168,13 +170,12 @@ def test_ray_pd_application_answers_as_a_plain_instance(cluster, ray_cluster, cl
 
 @pytest.mark.parametrize("replicas", [{"prefills": 2}, {"decodes": 2}], ids=["2p1d", "1p2d"])
 def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
-    cluster, ray_cluster, client, replicas
+    workspace, single, ray_cluster, client, replicas
 ):
-    single = cluster.servers["single"].url
     alone = _answers(client, single)
     prompts = [prompt(150 + 50 * i, 3400 + i) for i in range(8)]
     expected = [client.tokens(single, p) for p in prompts]
-    url, identities = ray_cluster, _deploy(cluster.model, cluster.model, "push", **replicas)
+    url, identities = ray_cluster, _deploy(workspace.model, workspace.model, "push", **replicas)
     try:
         # One request at a time first: kvpush's backend sends both legs at once.
         assert _answers(client, url) == alone
@@ -197,11 +198,11 @@ def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
         serve.delete("pd")
 
 
-def test_ray_pd_push_moves_the_kv_from_prefill(cluster, ray_cluster, client):
+def test_ray_pd_push_moves_the_kv_from_prefill(workspace, single, ray_cluster, client):
     """The negative control: a prefill whose K/V weights differ changes every answer."""
-    expected = _answers(client, cluster.servers["single"].url)
-    wrong = perturbed_copy(cluster.model, cluster.workdir / "model-other-kv-ray")
-    url, identities = ray_cluster, _deploy(wrong, cluster.model, "push")
+    expected = _answers(client, single)
+    wrong = perturbed_copy(workspace.model, workspace.workdir / "model-other-kv-ray")
+    url, identities = ray_cluster, _deploy(wrong, workspace.model, "push")
     try:
         got = _answers(client, url)
         changed = [n for n, a, b in zip(LENGTHS, got, expected, strict=True) if a != b]

@@ -60,31 +60,31 @@ TIE = 0.1
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def model_trio(request, cluster):
+def model_trio(request, workspace):
     """A plain instance, a prefill and a decode for one model shape; the router's URL."""
     name = request.param
     if name in NEEDS_ISA and not _cpu_has_fp8_kv_kernels():
         pytest.skip("this CPU has neither AVX-512 nor AMX: vLLM's CPU build keeps no FP8 KV")
     architecture, extra_args = MODELS[name]
     mode = MODES.get(name, "push")
-    path = build_tiny_model(cluster.workdir / f"model-{name}", architecture=architecture)
+    path = build_tiny_model(workspace.workdir / f"model-{name}", architecture=architecture)
     servers = {
         f"{name}_single": (None, 1, {}),
         f"{name}_prefill": ("kv_producer", 0, PREFILL_TIMERS),
         f"{name}_decode": ("kv_consumer", 1, DECODE_TIMERS),
     }
     for server, (role, core, timers) in servers.items():
-        cluster.add_server(server, role, core=core, mode=mode, model=path, **timers)
-        cluster.servers[server].spec.extra_args = list(extra_args)
+        workspace.add_server(server, role, core=core, mode=mode, model=path, **timers)
+        workspace.servers[server].spec.extra_args = list(extra_args)
     try:
-        cluster.start(*servers)
+        workspace.start(*servers)
         prefill, decode = [f"{name}_prefill"], [f"{name}_decode"]
-        router = cluster.start_router(prefill, decode, mode=mode, name=name)
+        router = workspace.start_router(prefill, decode, mode=mode, name=name)
         yield name, router
     finally:
-        cluster.stop_router(name)
+        workspace.stop_router(name)
         for server in servers:
-            cluster.servers.pop(server).stop()
+            workspace.servers.pop(server).stop()
 
 
 def _cpu_has_fp8_kv_kernels() -> bool:
@@ -126,9 +126,9 @@ def _agree_up_to_a_tie(ours: list, plain: list) -> bool:
     return True
 
 
-def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, client, model_trio):
+def test_the_model_answers_as_its_plain_instance_from_transferred_kv(workspace, client, model_trio):
     name, router = model_trio
-    single, decode = (cluster.servers[f"{name}_{s}"].url for s in ("single", "decode"))
+    single, decode = (workspace.servers[f"{name}_{s}"].url for s in ("single", "decode"))
     # 383 and 511: the first token of the last token's window (N - 256) is the last
     # of its 128-token block, the block vLLM frees first on a prefill.
     lengths = (2, 17, 129, 300, 383, 511, 600)
@@ -149,9 +149,9 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(cluster, cl
     computed_here = len(lengths) if name.startswith("sliding") or name in TIED else 0
     assert _external(client, decode) - before[0] == sum(lengths) - computed_here
     for server in ("prefill", "decode"):
-        state = client.wait_drained(cluster.identity_url(f"{name}_{server}"))
+        state = client.wait_drained(workspace.identity_url(f"{name}_{server}"))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (server, state)
-        log = cluster.servers[f"{name}_{server}"].log_path.read_text(errors="replace")
+        log = workspace.servers[f"{name}_{server}"].log_path.read_text(errors="replace")
         says = LOG_SAYS.get(name, {}).get(server)
         assert says is None or says in log, (server, says)
         for never in LOG_NEVER.get(name, ()):

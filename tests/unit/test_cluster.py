@@ -41,14 +41,41 @@ def test_transfer_config_names_the_connector_and_validates_the_role():
         raise AssertionError("an unknown role was accepted")
 
 
-def test_ports_are_chosen_below_the_kernels_ephemeral_range_and_never_twice():
+def test_ports_are_chosen_below_the_kernels_ephemeral_range_and_never_twice(monkeypatch):
     """Servers bind their ports long after they are chosen: a port the kernel may
     hand to another process's connection meanwhile would collide."""
-    from kvpush.ports import _ephemeral_range, free_port
+    from kvpush.ports import ENV_PORTS, _ephemeral_range, free_port
 
+    monkeypatch.delenv(ENV_PORTS, raising=False)
     low, _ = _ephemeral_range()
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
+
+
+def test_kvpush_ports_confines_the_choice_and_a_malformed_range_is_named(monkeypatch):
+    """Two test workers on one host each take their own slice, so neither can pick a
+    port the other picked and has not bound yet."""
+    from kvpush.errors import KVPushError
+    from kvpush.ports import ENV_PORTS, free_port
+
+    monkeypatch.setenv(ENV_PORTS, "20000-20009")
+    firsts = [free_port(span=2) for _ in range(3)]
+    assert all(20000 <= p < p + 1 <= 20009 for p in firsts)
+    for bad in ("20000", "20010-20000", "abc-def", "80-90", "20000-70000"):
+        monkeypatch.setenv(ENV_PORTS, bad)
+        try:
+            free_port()
+        except KVPushError as exc:
+            assert ENV_PORTS in str(exc) and repr(bad) in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    monkeypatch.setenv(ENV_PORTS, "20000-20001")
+    try:
+        free_port(span=3)
+    except KVPushError as exc:
+        assert "20000-20001" in str(exc)
+    else:
+        raise AssertionError("three ports were found in a range of two")
 
 
 def test_each_deployment_has_its_own_secret_and_an_insecure_one_has_none(tmp_path, monkeypatch):
