@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
+from pathlib import PurePosixPath
 
 import pytest
 
 from kvpush.ports import ENV_PORTS, port_range
 
-# `make test` runs two pytest-xdist workers (--dist loadgroup), each module one unit of
-# work so that its servers start once. The end-to-end modules that use the session's
-# prefill and decode share one worker, and so one set of those servers; these three
-# bring their own and may run beside them.
+# End-to-end modules that start every server they use; the others share the session's
+# prefill and decode (tests/e2e/conftest.py).
 E2E_ON_THEIR_OWN = {"test_ray_pd.py", "test_vllm_models.py", "test_vllm_soak.py"}
 
 
@@ -41,15 +39,24 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[ENV_PORTS] = f"{first}-{first + width - 1}"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs two pytest-xdist workers. Each module is one unit of work, so
+    that its servers start once; the end-to-end modules on the session's prefill and
+    decode are one unit together, so that those start once too."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = PurePosixPath(nodeid.split("::", 1)[0])
+            if module.parent.name == "e2e" and module.name not in E2E_ON_THEIR_OWN:
+                return "e2e on the session's servers"
+            return str(module)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(str(item.fspath))
-        if path.parent.name == "e2e" and path.name not in E2E_ON_THEIR_OWN:
-            group = "e2e-session-servers"
-        else:
-            group = f"{path.parent.name}/{path.name}"
-        item.add_marker(pytest.mark.xdist_group(group))
     skip_nixl = pytest.mark.skip(reason="nixl is not installed: pip install nixl==1.5.1")
     for item in items:
         if "nixl" in item.keywords and not HAS_NIXL:
