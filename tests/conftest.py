@@ -10,9 +10,20 @@ import pytest
 
 from kvpush.ports import ENV_PORTS, port_range
 
-# End-to-end modules that start every server they use; the others share the session's
-# prefill and decode (tests/e2e/conftest.py).
-E2E_ON_THEIR_OWN = {"test_ray_pd.py", "test_vllm_models.py", "test_vllm_soak.py"}
+# Minutes each end-to-end module took in a serial run here (a fresh clone of 4c8d32f,
+# server starts included; Ray's less the deployment it no longer starts). `make test`
+# runs two pytest-xdist workers, each module whole on one (--dist loadfile) in the
+# order collected; under xdist the longest come first, so that the two workers finish
+# together rather than one waiting on the other.
+E2E_MINUTES = {
+    "test_vllm_models.py": 9.2, "test_ray_pd.py": 7.5, "test_vllm_router.py": 5.3,
+    "test_vllm_push.py": 4.3, "test_vllm_soak.py": 4.0, "test_vllm_xpyd.py": 3.4,
+    "test_vllm_tensor_parallel.py": 3.4, "test_vllm_pull.py": 3.0,
+    "test_bench_serve.py": 2.8, "test_vllm_preemption.py": 2.4,
+    "test_vllm_upstream.py": 2.0, "test_vllm_overload.py": 1.4,
+    "test_vllm_block_sizes.py": 1.1, "test_vllm_progressive.py": 1.0,
+    "test_vllm_security.py": 1.0,
+}  # fmt: skip
 
 
 def _has(module: str) -> bool:
@@ -39,24 +50,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[ENV_PORTS] = f"{first}-{first + width - 1}"
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test` runs two pytest-xdist workers. Each module is one unit of work, so
-    that its servers start once; the end-to-end modules on the session's prefill and
-    decode are one unit together, so that those start once too."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = PurePosixPath(nodeid.split("::", 1)[0])
-            if module.parent.name == "e2e" and module.name not in E2E_ON_THEIR_OWN:
-                return "e2e on the session's servers"
-            return str(module)
-
-    return ModuleScheduling(config, log)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a stable sort: each module stays whole
+        items.sort(key=lambda item: -E2E_MINUTES.get(PurePosixPath(item.path).name, 0.0))
     skip_nixl = pytest.mark.skip(reason="nixl is not installed: pip install nixl==1.5.1")
     for item in items:
         if "nixl" in item.keywords and not HAS_NIXL:

@@ -11,9 +11,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -55,6 +57,13 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.spec.port}"
 
+    @property
+    def scratch(self) -> Path:
+        """vLLM's TMPDIR, where its ZeroMQ sockets are files: short, not under the work
+        directory, since a socket's path must fit in 107 bytes and a work directory's
+        (pytest's, under xdist) may take most of them. Made on start, removed on stop."""
+        return Path(tempfile.gettempdir()) / f"kvpush-{os.getpid()}-{self.spec.port}"
+
     def command(self) -> list[str]:
         spec = self.spec
         command = [
@@ -72,10 +81,10 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        for sub in ("tmp", "cache", "inductor"):
+        for sub in ("cache", "inductor"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         env.update(
-            TMPDIR=str(self.dir / "tmp"),
+            TMPDIR=str(self.scratch),
             VLLM_CACHE_ROOT=str(self.dir / "cache"),
             TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"),
             HF_HUB_OFFLINE="1",
@@ -93,6 +102,7 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.scratch.mkdir(exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
         self.process = subprocess.Popen(
             self.command(),
@@ -141,15 +151,16 @@ class VllmServer:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group, then SIGKILL whatever is left."""
         process, self.process = self.process, None
-        if process is None:
-            return
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            if process is None:
+                break
             try:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:
                 break
             if _group_gone(process, wait):
                 break
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def send_signal(self, sig: int) -> None:
         """Signal every process of the server (SIGSTOP and SIGCONT: a frozen host)."""

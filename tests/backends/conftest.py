@@ -52,7 +52,10 @@ def spawn(tmp_path: Path) -> Iterator[Any]:
 def no_neuron_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process environment without Neuron settings; whatever a test sets is undone."""
     for name in ("NEURON_RT_MAP_HBM", "NEURON_RT_VISIBLE_CORES"):
-        monkeypatch.delenv(name, raising=False)
+        # setenv first: it records the value to restore. delenv of an unset variable
+        # records nothing, and a value the backend set during the test would outlive it.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """kvpush under Ray Serve LLM's prefill/decode application (`build_pd_openai_app`), on
 a local Ray cluster: push mode with kvpush's connector backend (both legs at once),
 push mode through Ray's default sequential hand-off (backend not registered), pull
-mode, and two prefill or two decode replicas. Answers equal a plain instance's; a prefill with
-other K/V weights changes decode's answer (so the KV really moved: a silent
-recompute would answer right too); nothing stays in flight."""
+mode, and two prefill or two decode replicas. Answers equal a plain instance's; every
+decode request's KV landed from the prefill that computed it (a silent recompute would
+answer right too, and leave no such trace); nothing stays in flight."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import concurrent.futures as cf
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import KV_BLOCKS, Client, perturbed_copy, prompt
+from conftest import KV_BLOCKS, Client, prompt
 
 pytest.importorskip("ray.serve.llm", reason="Ray Serve LLM is not installed: pip install -e .[ray]")
 
@@ -141,6 +140,17 @@ def _hand_off(client: Client, identities: dict[str, str], concurrent: bool) -> N
             assert trace["marks"]["arrived"] > computed, trace
 
 
+def _landed(client: Client, identities: dict[str, str]) -> None:
+    """Every request a decode replica served started from KV that landed in its blocks
+    by transfer; kvpush's negative control (a prefill with other K/V weights changes
+    decode's answer) runs outside Ray, in test_vllm_push.py."""
+    decoded, _ = _traces(client, identities)
+    assert decoded
+    for trace in decoded:
+        assert {"landed", "scheduled", "finished"} <= trace["marks"].keys(), trace
+        assert not trace.get("error"), trace
+
+
 def _drained(client: Client, identities: dict[str, str]) -> None:
     for name, identity in identities.items():
         state = client.wait_drained(identity)
@@ -157,10 +167,9 @@ def test_ray_pd_application_answers_as_a_plain_instance(
         KVConnectorBackendFactory.unregister_backend(kvpush.ray_serve.CONNECTOR)
     try:
         url, identities = ray_cluster, _deploy(workspace.model, workspace.model, mode.split("-")[0])
-        started = time.monotonic()
         assert _answers(client, url) == expected
-        assert time.monotonic() - started < 120
         _drained(client, identities)
+        _landed(client, identities)
         if mode != "pull":
             _hand_off(client, identities, concurrent=False)
     finally:
@@ -194,19 +203,6 @@ def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
             assert decoded, f"{name} decoded no request"
             # Each of its requests took a transfer prefill computed: the KV moved.
             assert all(t["transfer_id"] in prefilled for t in decoded), name
-    finally:
-        serve.delete("pd")
-
-
-def test_ray_pd_push_moves_the_kv_from_prefill(workspace, single, ray_cluster, client):
-    """The negative control: a prefill whose K/V weights differ changes every answer."""
-    expected = _answers(client, single)
-    wrong = perturbed_copy(workspace.model, workspace.workdir / "model-other-kv-ray")
-    url, identities = ray_cluster, _deploy(wrong, workspace.model, "push")
-    try:
-        got = _answers(client, url)
-        changed = [n for n, a, b in zip(LENGTHS, got, expected, strict=True) if a != b]
-        assert changed == list(LENGTHS), f"decode ignored the pushed KV for lengths {changed}"
-        _drained(client, identities)
+        _landed(client, identities)
     finally:
         serve.delete("pd")

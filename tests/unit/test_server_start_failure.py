@@ -40,3 +40,23 @@ def test_a_server_that_never_answers_is_named_last(tmp_path):
         server.stop()
     last = str(failure.value).splitlines()[-1]
     assert last.startswith("stuck_decode: no answer on /health") and "still running" in last
+
+
+def test_vllms_socket_directory_is_short_whatever_the_work_directory_and_goes_on_stop(
+    tmp_path, monkeypatch
+):
+    """vLLM's ZeroMQ sockets are files in its TMPDIR, and a socket's path must fit in
+    107 bytes: a deep work directory (pytest's under xdist) must not push them over."""
+    workdir = tmp_path / ("deep" * 20)
+    spec = ServerSpec("pull_prefill_other_kv", tmp_path, free_port())
+    server = VllmServer(spec, workdir)
+    # What start() runs, without vLLM: a child that lives in the same scratch directory.
+    monkeypatch.setattr(server, "command", lambda: ["sleep", "30"])
+    server.start()
+    try:
+        scratch = server.environment()["TMPDIR"]
+        assert len(scratch) + len("/ffffffff-ffff-ffff-ffff-ffffffffffff") < 107
+        assert server.scratch.is_dir()
+    finally:
+        server.stop()
+    assert not server.scratch.exists()
