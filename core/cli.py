@@ -161,6 +161,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
         faults=faults.parse_kinds(args.faults) if args.faults else faults.DEFAULT_FAULTS,
         fault_interval_s=args.fault_interval,
         max_faults=args.max_faults,
+        recovery=args.recovery,
         stop_s=args.stop_seconds,
         grace_s=args.fault_grace,
         disconnect_share=args.disconnect_share,
@@ -350,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault-interval", type=float, default=120.0, help="seconds between faults (0: none)"
     )
     soak.add_argument("--max-faults", type=int, help="inject at most this many")
+    soak.add_argument(
+        "--recovery", type=int, default=0,
+        help="once the last fault is over, this many more requests: whether it serves again",
+    )  # fmt: skip
     soak.add_argument(
         "--stop-seconds", type=float, help="SIGSTOP this long (default: past the timers)"
     )

@@ -88,6 +88,9 @@ class Settings:
     insecure: bool = False  # no shared secret (the instances run with 'insecure')
     model: Path | None = None  # None: the tiny model, built on the spot
     kv_blocks: int | None = None  # each instance's KV cache blocks; None: what 1 GiB holds
+    # Once the last fault is over, this many more requests at the same rate: whether the
+    # deployment serves again, however long its restarts took.
+    recovery: int = 0
     warm_up: int = 64  # flat out, eight at a time: the deployment's throughput
     settle_max_s: float = 300.0  # then the mix at the run's rate, until RSS levels off
     quiesce_s: float = 60.0  # the longest to wait for every instance to go quiet
@@ -435,9 +438,11 @@ class Soak:
             await self._settle(session, router, rate)
             await asyncio.to_thread(self._quiesce)
             self._baseline = {name: self._footprint(name) for name in self.prefill + self.decode}
-            shapes = mix.mix(s.requests, s.seed, s.max_model_len, s.disconnect_share)
+            shapes = mix.mix(s.requests + s.recovery, s.seed, s.max_model_len, s.disconnect_share)
             started = self.clock()
-            await self._load(session, router, shapes, rate)
+            await self._load(session, router, shapes[: s.requests], rate)
+            if s.recovery:
+                await self._load(session, router, shapes[s.requests :], rate, faults=False)
             seconds = self.clock() - started
             states = await asyncio.to_thread(self._quiesce)
             await asyncio.sleep(2.0)  # let freed memory and closed sockets settle
@@ -495,10 +500,15 @@ class Soak:
         _all_answered([r for r in records if r is not None], "settling")
 
     async def _load(
-        self, session: aiohttp.ClientSession, router: str, shapes: list[mix.Shape], rate: float
+        self,
+        session: aiohttp.ClientSession,
+        router: str,
+        shapes: list[mix.Shape],
+        rate: float,
+        faults: bool = True,
     ) -> None:
-        """Every request at its arrival time, faults meanwhile; back once every request
-        has ended and the fault in progress (if any) is over."""
+        """Every request at its arrival time, faults meanwhile (unless not `faults`);
+        back once every request has ended and the fault in progress (if any) is over."""
         s = self.settings
         send_at = load.arrivals(len(shapes), rate, s.seed)
         start = time.monotonic()
@@ -509,8 +519,8 @@ class Soak:
             self.records.append(await send(session, router, shape, s.deadline_s, self.clock))
 
         done = asyncio.Event()
-        injecting = asyncio.ensure_future(self._inject(done))
-        showing = asyncio.ensure_future(self._progress(len(shapes)))
+        injecting = asyncio.ensure_future(self._inject(done) if faults else done.wait())
+        showing = asyncio.ensure_future(self._progress(s.requests + s.recovery))
         sampling = asyncio.ensure_future(self._sample_footprints())
         try:
             await asyncio.gather(*(one(sh, at) for sh, at in zip(shapes, send_at, strict=True)))
