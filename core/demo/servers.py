@@ -151,15 +151,8 @@ class VllmServer:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group, then SIGKILL whatever is left."""
         process, self.process = self.process, None
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            if process is None:
-                break
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
-            if _group_gone(process, wait):
-                break
+        if process is not None:
+            _end_group(process, timeout)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def send_signal(self, sig: int) -> None:
@@ -191,6 +184,16 @@ def root_cause(log: str) -> str:
         if EXCEPTION_LINE.search(line) and generic not in line
     ]
     return causes[-1] if causes else "no exception in the log (killed? out of memory?)"
+
+
+def _end_group(process: subprocess.Popen, timeout: float) -> None:
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        if _group_gone(process, wait):
+            return
 
 
 def _group_gone(process: subprocess.Popen, timeout: float) -> bool:
