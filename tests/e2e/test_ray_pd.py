@@ -81,6 +81,9 @@ def _llm_config(
             "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()),
+            # And its file store for torch.distributed (vllm_dist_*), which a stopped
+            # engine leaves behind: in our directory too.
+            "TMPDIR": os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()),
         }},
     }  # fmt: skip
 
