@@ -60,7 +60,7 @@ def test_kvpush_ports_confines_the_choice_and_a_malformed_range_is_named(monkeyp
 
     monkeypatch.setenv(ENV_PORTS, "20000-20009")
     firsts = [free_port(span=2) for _ in range(3)]
-    assert all(20000 <= p < p + 1 <= 20009 for p in firsts)
+    assert all(20000 <= p <= 20008 for p in firsts)  # p and p + 1 both in the range
     for bad in ("20000", "20010-20000", "abc-def", "80-90", "20000-70000"):
         monkeypatch.setenv(ENV_PORTS, bad)
         try:

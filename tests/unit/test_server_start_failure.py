@@ -50,7 +50,7 @@ def test_vllms_socket_directory_is_short_whatever_the_work_directory_and_goes_on
     workdir = tmp_path / ("deep" * 20)
     spec = ServerSpec("pull_prefill_other_kv", tmp_path, free_port())
     server = VllmServer(spec, workdir)
-    # What start() runs, without vLLM: a child that lives in the same scratch directory.
+    # start() as it is, with a child that is not vLLM.
     monkeypatch.setattr(server, "command", lambda: ["sleep", "30"])
     server.start()
     try:
