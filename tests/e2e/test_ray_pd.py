@@ -1,7 +1,7 @@
 """kvpush under Ray Serve LLM's prefill/decode application (`build_pd_openai_app`), on
 a local Ray cluster: push mode with kvpush's connector backend (both legs at once),
 push mode through Ray's default sequential hand-off (backend not registered), pull
-mode, and two prefill or two decode replicas. Answers equal a plain instance's; every
+mode, and two prefill and two decode replicas at once. Answers equal a plain instance's; every
 decode request's KV landed from the prefill that computed it (a silent recompute would
 answer right too, and leave no such trace); nothing stays in flight."""
 
@@ -180,14 +180,15 @@ def test_ray_pd_application_answers_as_a_plain_instance(
         kvpush.ray_serve.register()
 
 
-@pytest.mark.parametrize("replicas", [{"prefills": 2}, {"decodes": 2}], ids=["2p1d", "1p2d"])
 def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
-    workspace, single, ray_cluster, client, replicas
+    workspace, single, ray_cluster, client
 ):
+    """Two prefill and two decode replicas: each prefill computes some prompts and each
+    decode serves some, every one from KV a prefill replica pushed to it."""
     alone = _answers(client, single)
     prompts = [prompt(150 + 50 * i, 3400 + i) for i in range(8)]
     expected = [client.tokens(single, p) for p in prompts]
-    url, identities = ray_cluster, _deploy(workspace.model, workspace.model, "push", **replicas)
+    url, identities = ray_cluster, _deploy(workspace.model, workspace.model, "push", 2, 2)
     try:
         # One request at a time first: kvpush's backend sends both legs at once.
         assert _answers(client, url) == alone

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
@@ -59,17 +60,51 @@ TIED = {"gdn"}
 TIE = 0.1
 
 
+class PlainInstance:
+    """The plain instance for the shape under test. Shapes that differ only in kvpush's
+    mode (sliding, sliding-pull, next to each other in MODELS) share one: a vLLM start
+    fewer. Another model's stops it."""
+
+    def __init__(self, workspace) -> None:
+        self.workspace, self.name, self.serves = workspace, "", ("", ())
+
+    def use(self, architecture: str, extra_args: tuple[str, ...], model) -> list[str]:
+        """Make it this shape's; the servers to start (none if it runs already)."""
+        if self.serves == (architecture, extra_args):
+            return []
+        self.stop()
+        self.name, self.serves = f"{architecture}_single", (architecture, extra_args)
+        server = self.workspace.add_server(self.name, None, core=1, model=model)
+        server.spec.extra_args = list(extra_args)
+        return [self.name]
+
+    @property
+    def url(self) -> str:
+        return self.workspace.servers[self.name].url
+
+    def stop(self) -> None:
+        if self.name in self.workspace.servers:
+            self.workspace.servers.pop(self.name).stop()
+
+
+@pytest.fixture(scope="module")
+def plain_instance(workspace) -> Iterator[PlainInstance]:
+    plain = PlainInstance(workspace)
+    yield plain
+    plain.stop()
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
-def model_trio(request, workspace):
-    """A plain instance, a prefill and a decode for one model shape; the router's URL."""
+def model_trio(request, workspace, plain_instance):
+    """For one model shape, a kvpush prefill and decode behind the router, and the
+    plain instance: its name, the router's URL and the plain instance's."""
     name = request.param
     if name in NEEDS_ISA and not _cpu_has_fp8_kv_kernels():
         pytest.skip("this CPU has neither AVX-512 nor AMX: vLLM's CPU build keeps no FP8 KV")
     architecture, extra_args = MODELS[name]
     mode = MODES.get(name, "push")
-    path = build_tiny_model(workspace.workdir / f"model-{name}", architecture=architecture)
+    path = build_tiny_model(workspace.workdir / f"model-{architecture}", architecture=architecture)
     servers = {
-        f"{name}_single": (None, 1, {}),
         f"{name}_prefill": ("kv_producer", 0, PREFILL_TIMERS),
         f"{name}_decode": ("kv_consumer", 1, DECODE_TIMERS),
     }
@@ -77,10 +112,10 @@ def model_trio(request, workspace):
         workspace.add_server(server, role, core=core, mode=mode, model=path, **timers)
         workspace.servers[server].spec.extra_args = list(extra_args)
     try:
-        workspace.start(*servers)
+        workspace.start(*plain_instance.use(architecture, extra_args, path), *servers)
         prefill, decode = [f"{name}_prefill"], [f"{name}_decode"]
         router = workspace.start_router(prefill, decode, mode=mode, name=name)
-        yield name, router
+        yield name, router, plain_instance.url
     finally:
         workspace.stop_router(name)
         for server in servers:
@@ -127,8 +162,8 @@ def _agree_up_to_a_tie(ours: list, plain: list) -> bool:
 
 
 def test_the_model_answers_as_its_plain_instance_from_transferred_kv(workspace, client, model_trio):
-    name, router = model_trio
-    single, decode = (workspace.servers[f"{name}_{s}"].url for s in ("single", "decode"))
+    name, router, single = model_trio
+    decode = workspace.servers[f"{name}_decode"].url
     # 383 and 511: the first token of the last token's window (N - 256) is the last
     # of its 128-token block, the block vLLM frees first on a prefill.
     lengths = (2, 17, 129, 300, 383, 511, 600)
