@@ -45,8 +45,9 @@ def ray_cluster() -> Iterator[str]:
     os.mkdir(sockets)
     before = os.environ.get("VLLM_RPC_BASE_PATH")
     os.environ["VLLM_RPC_BASE_PATH"] = sockets
-    # Logical CPUs: each LLM replica takes one for its actor and one for its engine.
-    ray.init(num_cpus=8, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: each LLM replica takes one for its actor and one for its engine, and
+    # the ingress one: two prefill and two decode replicas take nine.
+    ray.init(num_cpus=9, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     kvpush.ray_serve.register()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
