@@ -26,9 +26,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 # from the model and from each other (docs/compatibility.md). Its own Python rotary
 # is right, so these servers run that one.
 NATIVE_ROPE = ("--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}))
+# On a CPU with AMX, vLLM picks its AMX MLA kernels, which take bf16 weights only: a
+# float32 model fails to load. The reference CPU MLA backend runs on every CPU.
+MLA_BACKEND = ("--attention-backend", "CPU_MLA")
 MODELS = {  # name: (architecture, extra vLLM arguments for every server)
     "moe": ("qwen3_moe", ()),
-    "mla": ("deepseek_v3", NATIVE_ROPE),
+    "mla": ("deepseek_v3", NATIVE_ROPE + MLA_BACKEND),
     # Two KV cache groups; the sliding layers keep only their window's blocks.
     "sliding": ("gemma3_text", ()),
     "sliding-pull": ("gemma3_text", ()),
@@ -55,9 +58,11 @@ EXTERNAL = 'source="external_kv_transfer"'
 # next-token distributions are nearly flat, so that flips greedy picks where two
 # tokens tie to a few hundredths of a nat. Such a model's answers are compared token
 # by token up to the first tie, where one instance must rate the other's pick within
-# TIE nats of its own; every pick's logprob must agree within TIE.
+# TIE nats of its own; every pick's logprob must agree within TIE. The rounding is
+# the CPU's: most picks agree within 0.06 nats, but on a CPU with AMX (bf16 matrix
+# tiles) one step of 84 was 0.14 apart, the next back within 0.02.
 TIED = {"gdn"}
-TIE = 0.1
+TIE = 0.2
 
 
 class PlainInstance:
@@ -173,6 +178,8 @@ def test_the_model_answers_as_its_plain_instance_from_transferred_kv(workspace, 
         whole = [_agree_up_to_a_tie(_picks(client, router, p), _picks(client, single, p))
                  for p in prompts]  # fmt: skip
         print(f"{name}: {sum(whole)} of {len(prompts)} answers equal to the plain instance's")
+        # 5 (AVX2) or 6 (AMX) of 7 here; with the state not moved, none was.
+        assert sum(whole) >= 3, f"only {sum(whole)} answers equal the plain instance's"
     else:
         got = [client.tokens(router, p) for p in prompts]
         assert got == [client.tokens(single, p) for p in prompts]

@@ -12,6 +12,10 @@ Should the queue still drain too soon (the machine got faster meanwhile), it sen
 larger one, a bounded number of times; the overload itself is never assumed. Each
 request in flight holds a socket here and three in the router, so the queue is also
 bounded by the open-file limit, raised as far as the hard limit allows.
+
+The pair's servers refuse requests without an API key (vLLM's --api-key), so the
+queue also shows that the router hands the client's key to both legs, and a last
+test checks that a request without it is refused.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ MARGIN = 5.0  # the queue aimed for, in watchdogs (three are required; a longer 
 # drains faster than the calibration's, as batches fill)
 ATTEMPTS = 3
 SPARE_FILES = 256  # the router's and this process's other files
+API_KEY = "sk-kvpush-test"
+AUTHORIZED = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def overload_pair(cluster):
-    with extra_pair(cluster, "busy", **TIMERS) as url:
+    with extra_pair(cluster, "busy", extra_args=("--api-key", API_KEY), **TIMERS) as url:
         yield url
 
 
@@ -54,7 +60,7 @@ async def _all_at_once(url: str, prompts: list[list[int]]) -> tuple[list[httpx.R
     """Every request in the servers' queues at once; the answers, and how long the
     last took."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=AUTHORIZED) as http:
 
         async def one(tokens: list[int]) -> httpx.Response:
             body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": OUTPUT,
@@ -102,3 +108,17 @@ def test_a_queue_three_times_every_timer_completes_with_no_expiry(cluster, overl
     for name in ("busy_prefill", "busy_decode"):
         state = client.wait_drained(cluster.identity_url(name))
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (name, state)
+
+
+def test_an_api_key_reaches_both_legs(cluster, overload_pair, client):
+    tokens = prompt(220, 960)
+    decode = cluster.servers["busy_decode"].url
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    assert client.complete(overload_pair, tokens).status_code == 401
+    headers = {**AUTHORIZED, "X-Request-Id": "kvpush-e2e-key"}
+    response = client.complete(overload_pair, tokens, headers=headers)
+    assert response.status_code == 200, response.text
+    expected = client.tokens(cluster.servers["single"].url, tokens)
+    assert response.json()["choices"][0]["token_ids"] == expected
+    # The KV was pushed, not recomputed.
+    assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + 1

@@ -21,7 +21,6 @@ from conftest import (
     assert_shared_prefixes_match,
     assert_streams_match,
     assert_unseeded_stream_is_its_seed,
-    extra_pair,
     perturbed_copy,
     prompt,
     streamed,
@@ -525,26 +524,3 @@ def test_a_dead_instance_is_failed_over_and_ejected(cluster, client):
     # A prefill leg that finished before its decode leg failed to connect keeps its KV
     # for a decode that never registers: until its lease ends (lease_s, 60 s), no longer.
     _both_drained(cluster, client, seconds=60 + 15)
-
-
-@pytest.fixture
-def api_key_pair(cluster):
-    """A prefill and a decode that refuse requests without the API key."""
-    extra = ("--api-key", "sk-kvpush-test")
-    with extra_pair(cluster, "key", extra_args=extra, **PREFILL_TIMERS) as url:
-        yield url
-
-
-def test_an_api_key_reaches_both_legs(cluster, api_key_pair, client):
-    tokens = prompt(220, 960)
-    body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    url = api_key_pair + "/v1/completions"
-    assert client.http.post(url, json=body).status_code == 401
-    key = {"Authorization": "Bearer sk-kvpush-test", "X-Request-Id": "kvpush-e2e-key"}
-    response = client.http.post(url, json=body, headers=key)
-    assert response.status_code == 200, response.text
-    expected = client.tokens(cluster.servers["single"].url, tokens)
-    assert response.json()["choices"][0]["token_ids"] == expected
-    delivered = client.metric(cluster.servers["key_decode"].url, "vllm:kvpush_delivered_total")
-    assert delivered == 1  # the KV was pushed, not recomputed
