@@ -1,8 +1,9 @@
 """Start and stop real vLLM OpenAI servers (the CPU build) as process groups.
 
-Each server gets its own temp, cache and compile directories (vLLM leaves sockets
-and caches behind otherwise), is pinned to one core, and runs in its own session so
-that stopping it reaches every process it spawned.
+Each server gets its own temp and compile directories (vLLM leaves sockets behind
+otherwise), shares vLLM's cache with the other servers of its work directory, is
+pinned to one core, and runs in its own session so that stopping it reaches every
+process it spawned.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ class VllmServer:
         (pytest's, under xdist) may take most of them. Made on start, removed on stop."""
         return Path(tempfile.gettempdir()) / f"kvpush-{os.getpid()}-{self.spec.port}"
 
+    @property
+    def cache(self) -> Path:
+        """vLLM's cache (VLLM_CACHE_ROOT), shared by the servers of one work directory:
+        what vLLM learns of a model's class there, it would otherwise learn anew at every
+        start, in a subprocess that imports vLLM again (seconds of CPU)."""
+        return self.dir.parent / "vllm-cache"
+
     def command(self) -> list[str]:
         spec = self.spec
         command = [
@@ -81,11 +89,11 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        for sub in ("cache", "inductor"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        for directory in (self.cache, self.dir / "inductor"):
+            directory.mkdir(parents=True, exist_ok=True)
         env.update(
             TMPDIR=str(self.scratch),
-            VLLM_CACHE_ROOT=str(self.dir / "cache"),
+            VLLM_CACHE_ROOT=str(self.cache),
             TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",

@@ -60,3 +60,16 @@ def test_vllms_socket_directory_is_short_whatever_the_work_directory_and_goes_on
     finally:
         server.stop()
     assert not server.scratch.exists()
+
+
+def test_the_servers_of_one_work_directory_share_vllms_cache_and_nothing_else(tmp_path):
+    """vLLM inspects a model's class in a subprocess that imports vLLM again, unless
+    its cache already holds the answer: every server but the first of a work
+    directory finds it there. Sockets and compiled kernels stay each server's own."""
+    one, other = (VllmServer(ServerSpec(name, tmp_path, free_port()), tmp_path / "work")
+                  for name in ("prefill", "decode"))  # fmt: skip
+    envs = [one.environment(), other.environment()]
+    assert envs[0]["VLLM_CACHE_ROOT"] == envs[1]["VLLM_CACHE_ROOT"]
+    assert (tmp_path / "work" / "vllm-cache").is_dir()
+    for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert envs[0][name] != envs[1][name], name
