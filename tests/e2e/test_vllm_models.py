@@ -74,11 +74,12 @@ class PlainInstance:
         self.workspace, self.name, self.serves = workspace, "", ("", ())
 
     def use(self, architecture: str, extra_args: tuple[str, ...], model) -> list[str]:
-        """Make it this shape's; the servers to start (none if it runs already)."""
-        if self.serves == (architecture, extra_args):
+        """Make it this shape's; the servers to start (none if it answers already)."""
+        shape = (architecture, extra_args)
+        if self.serves == shape and self.workspace.servers[self.name].healthy():
             return []
         self.stop()
-        self.name, self.serves = f"{architecture}_single", (architecture, extra_args)
+        self.name, self.serves = f"{architecture}_single", shape
         server = self.workspace.add_server(self.name, None, core=1, model=model)
         server.spec.extra_args = list(extra_args)
         return [self.name]
@@ -90,6 +91,7 @@ class PlainInstance:
     def stop(self) -> None:
         if self.name in self.workspace.servers:
             self.workspace.servers.pop(self.name).stop()
+        self.name, self.serves = "", ("", ())
 
 
 @pytest.fixture(scope="module")
