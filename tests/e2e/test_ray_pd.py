@@ -1,9 +1,10 @@
 """kvpush under Ray Serve LLM's prefill/decode application (`build_pd_openai_app`), on
 a local Ray cluster: push mode with kvpush's connector backend (both legs at once),
 push mode through Ray's default sequential hand-off (backend not registered), pull
-mode, and two prefill and two decode replicas at once. Answers equal a plain instance's; every
-decode request's KV landed from the prefill that computed it (a silent recompute would
-answer right too, and leave no such trace); nothing stays in flight."""
+mode, and two prefill and two decode replicas at once. Answers equal a plain
+instance's; every decode request's KV landed from the prefill that computed it (a
+silent recompute would answer right too, and leave no such trace); nothing stays in
+flight."""
 
 from __future__ import annotations
 
