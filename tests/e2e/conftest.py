@@ -39,6 +39,11 @@ PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0, "orphan_grace_s": 3.
 # (16,384 at MLA's 16), more than any test holds at once, and an eighth of what 1 GiB
 # gives the tiny Llama: less to allocate, register and keep.
 KV_BLOCKS = 1024
+# A prefill with other weights computes wrong KV on purpose. Decode caches what it
+# receives under the prompt's block hashes and would hand it to any later request
+# sharing the prefix, in another test of the session (prompt() repeats every 2040
+# seeds: one such repeat failed CI). Salted, it is found by salted requests only.
+WRONG_KV = {"cache_salt": "wrong-kv"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -93,8 +98,8 @@ class Client:
         }  # fmt: skip
         return self.http.post(url + "/v1/completions", json=body, headers=headers)
 
-    def tokens(self, url: str, tokens: list[int], max_tokens: int = 12) -> list[int]:
-        response = self.complete(url, tokens, max_tokens)
+    def tokens(self, url: str, tokens: list[int], max_tokens: int = 12, **extra: Any) -> list[int]:
+        response = self.complete(url, tokens, max_tokens, **extra)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["token_ids"]
 
@@ -110,15 +115,17 @@ class Client:
                     )
         return "".join(pieces)
 
-    def sequential(self, prefill: str, decode: str, tokens: list[int]) -> tuple[dict, list[int]]:
+    def sequential(
+        self, prefill: str, decode: str, tokens: list[int], **extra: Any
+    ) -> tuple[dict, list[int]]:
         """Both legs one after the other, as a sequential orchestrator runs them: the
         prefill answer's kv_transfer_params, forwarded unchanged, and decode's tokens."""
         first = self.complete(
-            prefill, tokens, max_tokens=1, kv_transfer_params=UPSTREAM_PREFILL_LEG
+            prefill, tokens, max_tokens=1, kv_transfer_params=UPSTREAM_PREFILL_LEG, **extra
         )
         assert first.status_code == 200, first.text
         echo = first.json()["kv_transfer_params"]
-        second = self.complete(decode, tokens, kv_transfer_params=echo)
+        second = self.complete(decode, tokens, kv_transfer_params=echo, **extra)
         assert second.status_code == 200, second.text
         return echo, second.json()["choices"][0]["token_ids"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import (
     DECODE_TIMERS,
+    WRONG_KV,
     assert_request_shapes_match,
     assert_shared_prefixes_match,
     assert_streams_match,
@@ -103,7 +104,7 @@ def test_pull_sequential_legs_from_a_prefill_with_other_kv_weights_change_decode
         other = cluster.servers["pull_prefill_other_kv"].url
         decode, single = cluster.servers["pull_decode"].url, cluster.servers["single"].url
         for n in (129, 450):
-            _, got = client.sequential(other, decode, prompt(n, 2200 + n))
+            _, got = client.sequential(other, decode, prompt(n, 2200 + n), **WRONG_KV)
             assert got != client.tokens(single, prompt(n, 2200 + n)), f"decode ignored the KV ({n})"
     finally:
         cluster.servers.pop("pull_prefill_other_kv").stop()

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from conftest import (
     PREFILL_TIMERS,
+    WRONG_KV,
     Client,
     assert_request_shapes_match,
     assert_shared_prefixes_match,
@@ -118,12 +119,13 @@ def _a_diverged_first_token_is_continued_from(cluster, router, client) -> None:
     for n in (256, 384, 512):
         tokens = prompt(n, 3000 + n)
         before = client.metric(router, "kvpush_first_token_divergences_total")
-        ids = streamed(client, router, "/v1/completions", {**body, "prompt": tokens})
+        ids = streamed(client, router, "/v1/completions", {**body, "prompt": tokens, **WRONG_KV})
         ids = ids["choices"][0]["ids"]
-        assert len(ids) == 6 and ids[0] == client.tokens(other, tokens, 1)[0]
+        assert len(ids) == 6 and ids[0] == client.tokens(other, tokens, 1, **WRONG_KV)[0]
         if client.metric(router, "kvpush_first_token_divergences_total") > before:
             diverged += 1
-            assert ids[1:] == client.tokens(decode, tokens + ids[:1], 5)
+            # Salted alike: decode's cached prompt is the other weights' KV it was pushed.
+            assert ids[1:] == client.tokens(decode, tokens + ids[:1], 5, **WRONG_KV)
     assert diverged, "no first token diverged: the continuation went untested"
 
 
@@ -141,24 +143,26 @@ def other_kv_router(cluster):
         cluster.servers.pop("prefill_other_kv").stop()
 
 
-def test_prefill_with_other_kv_weights_changes_decode_output(cluster, other_kv_router, client):
-    router = other_kv_router
+def test_prefill_with_other_kv_weights_changes_decode_output(
+    cluster, other_kv_router, router, client
+):
     single = cluster.servers["single"].url
     spanning = [129, 256, 300, 450, 600]
     # Fresh prompts: decode must not hold their prefix in its own cache already.
-    changed = [
-        n
-        for n in spanning
-        if client.tokens(router, prompt(n, 1000 + n)) != client.tokens(single, prompt(n, 1000 + n))
-    ]
+    wrong = {n: client.tokens(other_kv_router, prompt(n, 1000 + n), **WRONG_KV) for n in spanning}
+    right = {n: client.tokens(single, prompt(n, 1000 + n)) for n in spanning}
+    changed = [n for n in spanning if wrong[n] != right[n]]
     assert changed == spanning, (
         f"decode ignored the pushed KV for lengths {set(spanning) - set(changed)}"
     )
-    _a_diverged_first_token_is_continued_from(cluster, router, client)
+    # The router gave both legs the cache salt: decode keeps the wrong KV apart.
+    unsalted = {n: client.tokens(router, prompt(n, 1000 + n)) for n in spanning}
+    assert unsalted == right, "a salted request's KV was found by an unsalted one"
+    _a_diverged_first_token_is_continued_from(cluster, other_kv_router, client)
     # The same through sequential legs with no transfer id (the prefill instance names it).
     other = cluster.servers["prefill_other_kv"].url
     tokens = prompt(300, 2500)
-    _, got = client.sequential(other, cluster.servers["decode"].url, tokens)
+    _, got = client.sequential(other, cluster.servers["decode"].url, tokens, **WRONG_KV)
     assert got != client.tokens(single, tokens), "decode ignored the KV the sequential legs moved"
 
 

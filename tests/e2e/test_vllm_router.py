@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, perturbed_copy, prompt
+from conftest import DECODE_TIMERS, PREFILL_TIMERS, WRONG_KV, Client, perturbed_copy, prompt
 
 from kvpush.ports import free_port
 
@@ -180,10 +180,15 @@ def test_a_prefill_with_other_kv_weights_changes_every_answer(
     prompts = [prompt(300 + 150 * i, seed + i) for i in range(3)]
     single = cluster.servers["single"].url
     try:
-        changed = [client.tokens(router, p) != client.tokens(single, p) for p in prompts]
+        wrong = [client.tokens(router, p, **WRONG_KV) for p in prompts]
+        changed = [got != client.tokens(single, p) for got, p in zip(wrong, prompts, strict=True)]
     finally:
         cluster.stop_router("vllm-router")
     assert all(changed), f"decode ignored the KV of prompts {changed}"
+    # vllm-router passed the salt on to decode, which keeps the wrong KV apart.
+    good = cluster.servers[deployment["prefill"]].url
+    _, again = client.sequential(good, cluster.servers[decode].url, prompts[0])
+    assert again == client.tokens(single, prompts[0]), "unsalted, decode found the wrong KV"
     _drained(cluster, client, [other_kv_prefill, decode])
 
 
