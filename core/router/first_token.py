@@ -16,8 +16,9 @@ Everything here is a function of JSON: what each leg is sent, the client's openi
 events, and `DecodeEdit`, which takes decode's events and says what the client gets.
 The router (app.py) does the I/O. What it does not serve this way is relayed as
 before: `n` > 1 (see `serves`), beam search, `echo`, prompt logprobs, tools (a
-tool parser would read the first token differently streamed than whole), and an
-answer not shaped as expected.
+tool parser would read the first token differently streamed than whole), structured
+output (a continuation would start its grammar over), and an answer not shaped as
+expected.
 """
 
 from __future__ import annotations
@@ -31,13 +32,21 @@ from kvpush.router.legs import GENERATION_ONLY
 
 # Fields of the client's body that keep a request on the relay-only path.
 NOT_SERVED = ("use_beam_search", "echo", "prompt_logprobs", "tools")
+# Structured output: a choice continued from the tokens the client has (a diverged
+# first token, a decode that broke off) would start its grammar over at the
+# continuation's first token, so it could leave the schema. Relayed instead.
+GRAMMARS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+            "guided_grammar")  # fmt: skip
 
 
 def serves(body: dict[str, Any]) -> bool:
     """Whether a request's first token can come from its prefill leg."""
     if not body.get("stream"):
         return False
-    if any(body.get(key) for key in NOT_SERVED):
+    if any(body.get(key) for key in NOT_SERVED + GRAMMARS):
+        return False
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
         return False
     # n > 1 makes several engine requests of one prompt: on decode, the siblings of
     # the first read its KV from the prefix cache; a prefill leg of n would compute

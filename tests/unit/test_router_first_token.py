@@ -190,6 +190,26 @@ def test_several_choices_are_relayed_from_decode_as_before():
     run(scenario())
 
 
+def test_structured_output_is_relayed_from_decode_as_before():
+    """A continuation would start the grammar over: structured output never takes
+    the first-token path, whose divergences and recoveries continue choices."""
+
+    async def scenario():
+        prefill, decode = Fake(prefill_answer()), Fake(decode_stream())
+        _, runner, url = await _serve([prefill], [decode])
+        grammars = [{"response_format": {"type": "json_object"}},
+                    {"structured_outputs": {"regex": "[A-C]+"}},
+                    {"guided_choice": ["ABC"]}]  # fmt: skip
+        for grammar in grammars:
+            _, events = await _post(url, {**BODY, **grammar})
+            assert events[0]["id"] == "cmpl-decode" and _text(events) == "ABC", grammar
+        _, events = await _post(url, {**BODY, "response_format": {"type": "text"}})
+        assert events[0]["id"] != "cmpl-decode"  # plain text: prefill's token first
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
+
+
 def test_chat_gets_one_role_chunk_then_prefills_token():
     async def scenario():
         prefill = Fake(prefill_answer(chat=True))
