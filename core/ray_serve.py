@@ -30,6 +30,8 @@ import ray
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
 
 from kvpush.ports import free_port
+from kvpush.ray_stream import KVPushDecodeServer, seed_of, serves
+from kvpush.router import first_token
 from kvpush.router.legs import prefill_leg
 from kvpush.vllm.config import ENV_SECRET, new_secret
 
@@ -57,10 +59,29 @@ def register() -> None:
         KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:KVPushBackend")
 
 
+def build_pd_app(pd_config: dict[str, Any]) -> Any:
+    """Ray's `build_pd_openai_app`, its decode replicas kvpush's own
+    (kvpush.ray_stream.KVPushDecodeServer): in push mode a streaming client's first
+    token comes from the prefill leg. Ray 2.60's builder names its decode class
+    inside; it is swapped there for this one call. Data-parallel decode keeps Ray's.
+    Call register() first, as for Ray's builder."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
+
+    ray_own = builder.PDDecodeServer
+    builder.PDDecodeServer = KVPushDecodeServer
+    try:
+        return builder.build_pd_openai_app(pd_config)
+    finally:
+        builder.PDDecodeServer = ray_own
+
+
 class KVPushBackend(BaseConnectorBackend):
     """Ray's view of KVPushConnector: push binds the peer and hands off at once."""
 
     _peer: dict[str, Any] | None = None  # what a prefill replica publishes
+    # Set by kvpush's decode replica (kvpush.ray_stream), which then opens a streaming
+    # client's answer with the prefill leg's token: both legs sample it alike.
+    first_token: bool = False
 
     @property
     def _push(self) -> bool:
@@ -97,8 +118,14 @@ class KVPushBackend(BaseConnectorBackend):
         return dict(self._peer or {})
 
     def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
-        # The client's request cut to its prompt, as kvpush router cuts it.
-        leg = prefill_leg(request.model_dump(), _transfer_id(request))
+        # The client's request cut to its prompt, as kvpush router cuts it; or, for
+        # a first token from prefill, kept whole for one token with decode's seed.
+        body, transfer_id = request.model_dump(), _transfer_id(request)
+        if self._first_token(request):
+            body["seed"] = _seed(request, transfer_id)
+            leg = first_token.prefill_leg(body, transfer_id)
+        else:
+            leg = prefill_leg(body, transfer_id)
         leg["kv_transfer_params"]["do_remote_prefill"] = False
         return type(request).model_validate(leg)
 
@@ -114,17 +141,31 @@ class KVPushBackend(BaseConnectorBackend):
                 "the prefill replica published no kvpush bootstrap address: is "
                 "KVPushConnector in push mode on the prefill deployment too?"
             )
+        transfer_id = _transfer_id(request)
         decode.kv_transfer_params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "transfer_id": _transfer_id(request),
+            "transfer_id": transfer_id,
             "remote_engine_id": peer["engine_id"],
             "remote_bootstrap_addr": peer["kvpush_bootstrap"],
         }
+        if self._first_token(request):
+            decode.seed = _seed(request, transfer_id)
         return decode
+
+    def _first_token(self, request: Any) -> bool:
+        """Whether the client's first token comes from the prefill leg (push only:
+        Ray hands off sequentially otherwise)."""
+        return self.first_token and self._push and serves(request)
 
     def _extra(self) -> dict[str, Any]:
         return self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
+
+
+def _seed(request: Any, transfer_id: str) -> int:
+    """The client's seed, or the one both legs take from the transfer id."""
+    seed = getattr(request, "seed", None)
+    return seed if seed is not None else seed_of(transfer_id)
 
 
 def _transfer_id(request: Any) -> str:

@@ -56,9 +56,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
-def perturbed_copy(model: Path, target: Path, head: bool = False) -> Path:
+def perturbed_copy(model: Path, target: Path, head: bool = False, kv: bool = True) -> Path:
     """The same model with other K and V projections: its KV is wrong for `model`.
-    With `head`, its output head differs too: it samples other tokens from one KV."""
+    With `head`, its output head differs too: it samples other tokens from one KV
+    (`kv` False: from the same KV as `model`'s)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -66,7 +67,7 @@ def perturbed_copy(model: Path, target: Path, head: bool = False) -> Path:
     weights = load_file(str(model / "model.safetensors"))
     generator = torch.Generator().manual_seed(1234)
     for name, tensor in weights.items():
-        if "k_proj" in name or "v_proj" in name or (head and "lm_head" in name):
+        if (kv and ("k_proj" in name or "v_proj" in name)) or (head and "lm_head" in name):
             weights[name] = tensor + torch.randn(tensor.shape, generator=generator) * 0.08
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target

@@ -1,10 +1,11 @@
-"""kvpush under Ray Serve LLM's prefill/decode application (`build_pd_openai_app`), on
-a local Ray cluster: push mode with kvpush's connector backend (both legs at once),
-push mode through Ray's default sequential hand-off (backend not registered), pull
-mode, and two prefill and two decode replicas at once. Answers equal a plain
-instance's; every decode request's KV landed from the prefill that computed it (a
-silent recompute would answer right too, and leave no such trace); nothing stays in
-flight."""
+"""kvpush under Ray Serve LLM's prefill/decode application (kvpush.ray_serve's
+`build_pd_app`; Ray's own `build_pd_openai_app` for pull), on a local Ray cluster:
+push mode with kvpush's connector backend (both legs at once), push mode through
+Ray's default sequential hand-off (backend not registered), pull mode, and two
+prefill and two decode replicas at once. Answers equal a plain instance's, streamed
+ones too, whose first token comes from prefill in push mode; every decode request's
+KV landed from the prefill that computed it (a silent recompute would answer right
+too, and leave no such trace); nothing stays in flight."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from conftest import KV_BLOCKS, Client, prompt
+from conftest import (
+    KV_BLOCKS,
+    Client,
+    assert_streams_match,
+    perturbed_copy,
+    prompt,
+    streamed,
+)
 
 pytest.importorskip("ray.serve.llm", reason="Ray Serve LLM is not installed: pip install -e .[ray]")
 
@@ -27,6 +35,7 @@ from ray.serve.llm import build_pd_openai_app
 import kvpush.ray_serve
 from kvpush.demo.servers import MODEL_NAME
 from kvpush.ports import free_port
+from kvpush.ray_stream import seed_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -103,7 +112,9 @@ def _deploy(
                                      decodes),
     }  # fmt: skip
     kvpush.ray_serve.share_secret(config)
-    app = build_pd_openai_app(config)
+    # Pull hands off sequentially: kvpush's decode replica would change nothing there.
+    build = build_pd_openai_app if mode == "pull" else kvpush.ray_serve.build_pd_app
+    app = build(config)
     serve.run(app, name="pd", route_prefix="/")
     # kvpush's backend binds kvpush on the node's address; without it, loopback.
     registered = KVConnectorBackendFactory.is_registered(kvpush.ray_serve.CONNECTOR)
@@ -210,5 +221,46 @@ def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
             # Each of its requests took a transfer prefill computed: the KV moved.
             assert all(t["transfer_id"] in prefilled for t in decoded), name
         _landed(client, identities)
+        # Streamed, with the first token from prefill: every shape as a plain instance
+        # streams it, an unseeded one with the seed both legs took from its transfer id.
+        assert_streams_match(client, single, url, seed=700)
+        _unseeded_stream_is_its_transfers_seed(client, single, url, identities)
+        _drained(client, identities)
+    finally:
+        serve.delete("pd")
+
+
+def _unseeded_stream_is_its_transfers_seed(
+    client: Client, single: str, url: str, identities: dict[str, str]
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt(220, 3477), "max_tokens": 10,
+            "temperature": 1.0, "return_token_ids": True}  # fmt: skip
+    ours = streamed(client, url, "/v1/completions", body)
+    decoded, _ = _traces(client, identities)
+    transfer = max(decoded, key=lambda t: t["marks"].get("arrived", 0))["transfer_id"]
+    theirs = streamed(client, single, "/v1/completions", {**body, "seed": seed_of(transfer)})
+    assert ours == theirs and len(ours["choices"][0]["ids"]) == 10
+
+
+def test_ray_pd_push_streams_the_first_token_prefill_sampled(
+    workspace, single, ray_cluster, client
+):
+    """A prefill whose output head differs (its KV is decode's own): where it samples
+    another first token than decode would, the client gets prefill's, and the stream
+    goes on as a plain instance continues the prompt plus that token."""
+    other = perturbed_copy(workspace.model, workspace.workdir / "model-other-head", head=True,
+                           kv=False)  # fmt: skip
+    url, identities = ray_cluster, _deploy(other, workspace.model, "push")
+    try:
+        prefills = 0
+        for n in (200, 256, 300, 384, 512):
+            tokens = prompt(n, 3500 + n)
+            body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            ids = streamed(client, url, "/v1/completions", body)["choices"][0]["ids"]
+            assert len(ids) == 6 and ids[1:] == client.tokens(single, tokens + ids[:1], 5), n
+            prefills += ids[0] != client.tokens(single, tokens, 1)[0]
+        assert prefills, "every first token was decode's: none came from the prefill leg"
+        _drained(client, identities)
     finally:
         serve.delete("pd")

@@ -1,0 +1,209 @@
+"""Ray Serve LLM's decode replica, streaming a client's first token from prefill.
+
+Ray's orchestrator (Ray 2.60, `PDOrchestratorMixin._concurrent_decode`) drains the
+prefill leg's answer unread and streams the decode leg's alone, so a streaming
+client's first token waits for the hand-off and decode's first step. Where kvpush's
+connector backend sends both legs at once (push mode), `KVPushDecodeServer` reads
+prefill's answer instead: its token opens the client's stream, and decode's stream
+follows from its second token, edited as kvpush router edits it
+(kvpush.router.first_token holds what each leg is sent and how decode's events are
+edited; docs/routing.md, 3a). Decode's first token is checked against prefill's; if
+they differ, or decode's leg fails after the client has its first token, the choice
+continues on this replica's engine from the prompt plus the tokens the client has.
+
+    app = kvpush.ray_serve.build_pd_app(config)   # instead of build_pd_openai_app
+
+Turned off per deployment by `"experimental_configs": {"kvpush_first_token": False}`
+in the decode config. Sequential hand-offs (pull mode, or the backend unregistered)
+are Ray's as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    CompletionRequest,
+    ErrorResponse,
+)
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer
+
+from kvpush.router import first_token
+from kvpush.router.legs import openai_error
+
+log = logging.getLogger(__name__)
+
+SWITCH = "kvpush_first_token"  # in the decode config's experimental_configs
+DONE = "data: [DONE]\n\n"
+
+
+def seed_of(transfer_id: str) -> int:
+    """The seed both legs of an unseeded request sample with: from its transfer id,
+    since Ray prepares the two legs in separate calls that share nothing else."""
+    return int(hashlib.sha256(transfer_id.encode()).hexdigest()[:8], 16) % 2**31
+
+
+def as_body(request: Any) -> dict[str, Any]:
+    """A Ray request model as kvpush router would have its JSON: fields left unset
+    absent (chat's max_completion_tokens of None must not hide its max_tokens)."""
+    return request.model_dump(exclude_none=True)
+
+
+def serves(request: Any) -> bool:
+    """Whether a request's first token can come from its prefill leg."""
+    return first_token.serves(as_body(request))
+
+
+class KVPushDecodeServer(PDDecodeServer):
+    """Ray's decode replica, with a streaming client's first token from prefill."""
+
+    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:
+        await super().__init__(llm_config, **kwargs)
+        backend = self._get_connector_backend()
+        if hasattr(backend, "first_token"):  # kvpush's backend (kvpush.ray_serve)
+            backend.first_token = bool(llm_config.experimental_configs.get(SWITCH, True))
+
+    async def _concurrent_decode(
+        self,
+        method: str,
+        decode_request: Any,
+        prefill_resp: Any,
+        raw_request_info: Any,
+        *,
+        cancel_on_failure: bool = True,
+    ) -> AsyncIterator[Any]:
+        if not (getattr(self._get_connector_backend(), "first_token", False)
+                and serves(decode_request)):  # fmt: skip
+            async for chunk in super()._concurrent_decode(
+                method, decode_request, prefill_resp, raw_request_info,
+                cancel_on_failure=cancel_on_failure,
+            ):  # fmt: skip
+                yield chunk
+            return
+        body = as_body(decode_request)
+        decode_request.return_token_ids = True  # to check decode's first token
+        # The prefill leg is always read to its end: Ray's replica accounting fires then.
+        prefill = asyncio.ensure_future(_answer(prefill_resp))
+        local = None
+        try:
+            local = await getattr(LLMServer, method)(self, decode_request, raw_request_info)
+            answer = await prefill
+            if isinstance(answer, ErrorResponse) or answer is None:
+                yield answer or [_error("the prefill leg answered nothing")]
+                return
+            opening = first_token.opening(answer.model_dump(), body, method == "chat")
+            if opening is None:  # not an answer this path can stand on: decode's stream
+                async for chunk in local:
+                    yield chunk
+                return
+            yield [_encode(event) for event in opening.events]
+            usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
+            edit = first_token.DecodeEdit(
+                opening, method == "chat", bool(body.get("return_token_ids")), usage_asked
+            )
+            if edit.unfinished():
+                body["request_id"] = decode_request.request_id  # Serve's, stamped by now
+                async for out in self._edited(local, edit, body):
+                    yield out
+            else:  # decode computes one token nobody reads; its leg still claims the KV
+                async for _ in local:
+                    pass
+            local = None
+            closing = [_encode(edit.usage())] if edit.usage_asked else []
+            yield [*closing, DONE]
+        finally:
+            if local is not None:
+                with contextlib.suppress(BaseException):
+                    await local.aclose()  # aborts decode's request if it still runs
+            try:
+                await prefill
+            except Exception as exc:  # the client has its answer or an error already
+                log.error("kvpush: the prefill leg failed: %s", exc)
+
+    async def _edited(
+        self, local: Any, edit: first_token.DecodeEdit, body: dict[str, Any]
+    ) -> AsyncIterator[list[str]]:
+        """Decode's events through `edit`; the choice continued here instead where its
+        first token diverged or decode's leg failed."""
+        why = None
+        async for event in _events(local):
+            if "error" in event:
+                why = json.dumps(event["error"])[:300]
+                break
+            out, diverged = edit.edit(event)
+            if out is not None:
+                yield [_encode(out)]
+            if diverged and not edit.unfinished():
+                break  # nothing more of decode's own stream reaches the client
+        if why is not None:
+            log.warning("kvpush: decode's leg failed mid-stream (%s); continuing here", why)
+        for index in [i for i, c in edit.choices.items() if c.elsewhere] + edit.unfinished():
+            async for out in self._continued(edit, body, index):
+                yield out
+
+    async def _continued(
+        self, edit: first_token.DecodeEdit, body: dict[str, Any], index: int
+    ) -> AsyncIterator[list[str]]:
+        """Choice `index` from a completions request of its own: its prompt plus the
+        tokens the client has (this engine's prefix cache holds the prompt's KV)."""
+        state = edit.choices[index]
+        if state.ended:
+            return
+        leg = first_token.continuation_leg(body, state.first.prompt, state.had, edit.chat)
+        base = body.get("request_id") or "kvpush"
+        request = CompletionRequest.model_validate(
+            {**leg, "request_id": f"{base}-continued-{index}-{len(state.had)}"}
+        )
+        stream = await LLMServer.completions(self, request, None)
+        async for event in _events(stream):
+            if "error" in event:
+                failure = f"choice {index} could not be continued: {json.dumps(event['error'])}"
+                yield [_encode(openai_error(failure[:500], "upstream_error", 502))]
+                return
+            out = edit.continued(index, event)
+            if out is not None:
+                yield [_encode(out)]
+
+
+async def _answer(prefill_resp: Any) -> Any:
+    """The prefill leg's answer (its first item), read to the end."""
+    answer = None
+    async for chunk in prefill_resp:
+        if answer is None:
+            answer = chunk
+    return answer
+
+
+async def _events(stream: Any) -> AsyncIterator[dict[str, Any]]:
+    """An engine stream's events as JSON, up to [DONE]: Ray yields lists of
+    `data: ...` strings, and an ErrorResponse where the engine failed."""
+    async for batch in stream:
+        for item in batch if isinstance(batch, list) else [batch]:
+            if isinstance(item, ErrorResponse):
+                yield item.model_dump()
+                return
+            for line in str(item).splitlines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    return
+                with contextlib.suppress(ValueError):
+                    event = json.loads(payload)
+                    if isinstance(event, dict):
+                        yield event
+
+
+def _encode(event: dict[str, Any]) -> str:
+    return "data: " + json.dumps(event, separators=(",", ":")) + "\n\n"
+
+
+def _error(message: str) -> str:
+    return _encode(openai_error(message, "upstream_error", 502))

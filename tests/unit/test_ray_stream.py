@@ -1,0 +1,171 @@
+"""kvpush's Ray decode replica: a streaming client's first token from the prefill leg.
+
+The replica's engine is a stand-in that streams as Ray's LLMServer does (lists of
+`data: ...` strings); the paths real vLLM rarely takes are driven here: a first token
+decode samples otherwise, and a decode leg that fails mid-stream. The whole Ray
+application runs in tests/e2e/test_ray_pd.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.llm", reason="Ray Serve LLM is not installed: pip install -e .[ray]")
+
+from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from test_ray_serve import PEER, _backend
+
+from kvpush.ray_stream import KVPushDecodeServer, seed_of
+
+PROMPT = [5, 6, 7]
+
+
+def _event(token: int, text: str, finish: str | None = None) -> str:
+    choice = {"index": 0, "text": text, "token_ids": [token], "logprobs": None,
+              "finish_reason": finish, "stop_reason": None}  # fmt: skip
+    event = {"id": "cmpl-decode", "object": "text_completion", "created": 2, "model": "tiny",
+             "choices": [choice]}  # fmt: skip
+    return "data: " + json.dumps(event) + "\n\n"
+
+
+class Engine:
+    """LLMServer.completions as the replica's engine answers: the decode leg's stream
+    (a request with kv_transfer_params), else a continuation's."""
+
+    def __init__(self, decode: list[Any], continuation: list[Any] | None = None) -> None:
+        self.decode, self.continuation = decode, continuation or []
+        self.requests: list[Any] = []
+
+    async def completions(self, server: Any, request: Any) -> Any:
+        self.requests.append(request)
+        script = self.decode if request.kv_transfer_params else self.continuation
+
+        async def stream():
+            for batch in script:
+                yield batch
+
+        return stream()
+
+
+class _Server(KVPushDecodeServer):
+    """The replica without its Serve deployment around it (nor an engine to shut down)."""
+
+    def __del__(self) -> None:
+        pass
+
+
+def _prefill_answer(token: int = 7, text: str = "A") -> Any:
+    answer = {"id": "cmpl-prefill", "object": "text_completion", "created": 1, "model": "tiny",
+              "choices": [{"index": 0, "text": text, "token_ids": [token], "logprobs": None,
+                           "finish_reason": "length", "stop_reason": None,
+                           "prompt_token_ids": PROMPT}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}  # fmt: skip
+
+    async def stream():
+        yield SimpleNamespace(model_dump=lambda: answer)
+
+    return stream()
+
+
+def _stream(engine: Engine, monkeypatch, first_token: bool = True, **request: Any) -> list:
+    """The client's events from the replica, with prefill answering token 7 ("A")."""
+    # A function, so that Ray's own path (super() in its mixin) binds it too.
+    monkeypatch.setattr(LLMServer, "completions", lambda s, r, raw=None: engine.completions(s, r))
+    server = object.__new__(_Server)
+    backend = SimpleNamespace(first_token=first_token)
+    server._get_connector_backend = lambda: backend
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
+            "stream": True, **request}  # fmt: skip
+    decode = CompletionRequest(**body, kv_transfer_params={"do_remote_prefill": True})
+
+    async def read():
+        out = []
+        async for batch in server._concurrent_decode(
+            "completions", decode, _prefill_answer(), None
+        ):
+            for item in batch:
+                payload = item.removeprefix("data: ").strip()
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+        return out
+
+    return asyncio.run(read())
+
+
+def _text(events: list) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
+
+
+def test_the_first_token_is_prefills_and_decodes_stream_follows_from_its_second(monkeypatch):
+    engine = Engine([[_event(7, "A")], [_event(8, "B"), _event(9, "C", "length")],
+                     ["data: [DONE]\n\n"]])  # fmt: skip
+    events = _stream(engine, monkeypatch)
+    assert events[0]["id"] == "cmpl-prefill" and events[0]["choices"][0]["text"] == "A"
+    assert _text(events) == "ABC" and events[-1] == "[DONE]"
+    assert all(e["id"] == "cmpl-prefill" for e in events[:-1])  # ids are prefill's throughout
+    (decode,) = engine.requests
+    assert decode.return_token_ids  # to check decode's first token against prefill's
+
+
+def test_a_first_token_decode_samples_otherwise_is_continued_from_prefills(monkeypatch):
+    engine = Engine(
+        [[_event(8, "B")], [_event(9, "C")], ["data: [DONE]\n\n"]],
+        continuation=[[_event(4, "X"), _event(3, "Y", "length")], ["data: [DONE]\n\n"]],
+    )
+    events = _stream(engine, monkeypatch)
+    assert _text(events) == "AXY"
+    decode, continuation = engine.requests
+    assert continuation.prompt == [*PROMPT, 7] and continuation.max_tokens == 2
+    assert continuation.request_id != decode.request_id
+
+
+def test_a_decode_leg_that_fails_mid_stream_is_continued_from_what_the_client_has(monkeypatch):
+    failure = {"error": {"message": "engine died", "type": "x", "param": None, "code": 500}}
+    engine = Engine(
+        [[_event(7, "A"), _event(8, "B")], ["data: " + json.dumps(failure) + "\n\n"]],
+        continuation=[[_event(9, "C", "length")], ["data: [DONE]\n\n"]],
+    )
+    events = _stream(engine, monkeypatch, max_tokens=3)
+    assert _text(events) == "ABC" and not any("error" in e for e in events if e != "[DONE]")
+    assert engine.requests[1].prompt == [*PROMPT, 7, 8] and engine.requests[1].max_tokens == 1
+
+
+def test_usage_counts_what_the_client_got(monkeypatch):
+    engine = Engine(
+        [[_event(8, "B")], ["data: [DONE]\n\n"]],
+        continuation=[[_event(4, "X"), _event(3, "Y", "length")], ["data: [DONE]\n\n"]],
+    )
+    events = _stream(engine, monkeypatch, stream_options={"include_usage": True})
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 3 and usage["prompt_tokens"] == 3
+
+
+def test_switched_off_the_stream_is_decodes_own(monkeypatch):
+    engine = Engine([[_event(7, "A"), _event(8, "B"), _event(9, "C", "length")],
+                     ["data: [DONE]\n\n"]])  # fmt: skip
+    events = _stream(engine, monkeypatch, first_token=False)
+    assert events[0]["id"] == "cmpl-decode" and _text(events) == "ABC"
+
+
+def test_both_legs_of_an_unseeded_stream_sample_with_one_seed_from_the_transfer_id():
+    backend = _backend("push")
+    backend.first_token = True
+    request = CompletionRequest(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
+                                temperature=1.0, logprobs=2)  # fmt: skip
+    prefill = backend.prepare_prefill_request(request=request, peer=PEER)
+    decode = backend.prepare_decode_request(request=request, peer=PEER, prefill_response=None)
+    seed = seed_of(prefill.kv_transfer_params["transfer_id"])
+    assert prefill.seed == decode.seed == seed
+    # The prefill leg samples the client's first token: its parameters kept, one token.
+    assert (prefill.max_tokens, prefill.temperature, prefill.logprobs) == (1, 1.0, 2)
+    assert prefill.return_token_ids and not prefill.stream
+    # A client's own seed is both legs'; a non-streaming request is cut as before.
+    seeded = request.model_copy(update={"seed": 11})
+    assert backend.prepare_prefill_request(request=seeded, peer=PEER).seed == 11
+    whole = request.model_copy(update={"stream": False})
+    assert backend.prepare_prefill_request(request=whole, peer=PEER).seed is None
