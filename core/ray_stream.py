@@ -115,11 +115,10 @@ class KVPushDecodeServer(PDDecodeServer):
             else:  # decode computes one token nobody reads; its leg still claims the KV
                 async for _ in local:
                     pass
-            local = None
             closing = [_encode(edit.usage())] if edit.usage_asked else []
             yield [*closing, DONE]
         finally:
-            if local is not None:
+            if local is not None:  # a diverged choice's own stream is read no further
                 with contextlib.suppress(BaseException):
                     await local.aclose()  # aborts decode's request if it still runs
             try:
@@ -182,23 +181,28 @@ async def _answer(prefill_resp: Any) -> Any:
 
 
 async def _events(stream: Any) -> AsyncIterator[dict[str, Any]]:
-    """An engine stream's events as JSON, up to [DONE]: Ray yields lists of
-    `data: ...` strings, and an ErrorResponse where the engine failed."""
-    async for batch in stream:
-        for item in batch if isinstance(batch, list) else [batch]:
-            if isinstance(item, ErrorResponse):
-                yield item.model_dump()
-                return
-            for line in str(item).splitlines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
+    """An engine stream's events as JSON, up to [DONE] or an error, when the stream is
+    closed: Ray yields lists of `data: ...` strings, and an ErrorResponse where the
+    engine failed."""
+    try:
+        async for batch in stream:
+            for item in batch if isinstance(batch, list) else [batch]:
+                if isinstance(item, ErrorResponse):
+                    yield item.model_dump()
                     return
-                with contextlib.suppress(ValueError):
-                    event = json.loads(payload)
-                    if isinstance(event, dict):
-                        yield event
+                for line in str(item).splitlines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(payload)
+                        if isinstance(event, dict):
+                            yield event
+    finally:
+        with contextlib.suppress(BaseException):
+            await stream.aclose()
 
 
 def _encode(event: dict[str, Any]) -> str:

@@ -41,14 +41,20 @@ class Engine:
     def __init__(self, decode: list[Any], continuation: list[Any] | None = None) -> None:
         self.decode, self.continuation = decode, continuation or []
         self.requests: list[Any] = []
+        self.running = 0  # streams neither read to their end nor closed
+        self.running_at_end = -1  # as the client's stream ended
 
     async def completions(self, server: Any, request: Any) -> Any:
         self.requests.append(request)
         script = self.decode if request.kv_transfer_params else self.continuation
 
         async def stream():
-            for batch in script:
-                yield batch
+            self.running += 1
+            try:
+                for batch in script:
+                    yield batch
+            finally:
+                self.running -= 1
 
         return stream()
 
@@ -92,6 +98,7 @@ def _stream(engine: Engine, monkeypatch, first_token: bool = True, **request: An
             for item in batch:
                 payload = item.removeprefix("data: ").strip()
                 out.append(payload if payload == "[DONE]" else json.loads(payload))
+        engine.running_at_end = engine.running
         return out
 
     return asyncio.run(read())
@@ -119,6 +126,7 @@ def test_a_first_token_decode_samples_otherwise_is_continued_from_prefills(monke
     )
     events = _stream(engine, monkeypatch)
     assert _text(events) == "AXY"
+    assert engine.running_at_end == 0  # decode's own stream closed: its request aborted
     decode, continuation = engine.requests
     assert continuation.prompt == [*PROMPT, 7] and continuation.max_tokens == 2
     assert continuation.request_id != decode.request_id
