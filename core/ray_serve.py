@@ -30,7 +30,7 @@ import ray
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
 
 from kvpush.ports import free_port
-from kvpush.ray_stream import KVPushDecodeServer, seed_of, serves
+from kvpush.ray_stream import PREFILL_ANSWER, KVPushDecodeServer, seed_of, serves
 from kvpush.router import first_token
 from kvpush.router.legs import prefill_leg
 from kvpush.vllm.config import ENV_SECRET, new_secret
@@ -61,8 +61,8 @@ def register() -> None:
 
 def build_pd_app(pd_config: dict[str, Any]) -> Any:
     """Ray's `build_pd_openai_app`, its decode replicas kvpush's own
-    (kvpush.ray_stream.KVPushDecodeServer): in push mode a streaming client's first
-    token comes from the prefill leg. Ray 2.60's builder names its decode class
+    (kvpush.ray_stream.KVPushDecodeServer): a streaming client's first token comes
+    from the prefill leg. Ray 2.60's builder names its decode class
     inside; it is swapped there for this one call. Data-parallel decode keeps Ray's.
     Call register() first, as for Ray's builder."""
     from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
@@ -135,6 +135,10 @@ class KVPushBackend(BaseConnectorBackend):
         decode = request.model_copy(deep=True)
         if prefill_response is not None:  # sequential (pull): the echo names it all
             decode.kv_transfer_params = prefill_response.kv_transfer_params
+            if self._first_token(request):  # prefill's token opens the stream
+                decode.seed = _seed(request, _transfer_id(request))
+                answer = {PREFILL_ANSWER: prefill_response.model_dump()}
+                decode.kv_transfer_params = {**(decode.kv_transfer_params or {}), **answer}
             return decode
         if not peer or "kvpush_bootstrap" not in peer:
             raise ValueError(
@@ -154,9 +158,8 @@ class KVPushBackend(BaseConnectorBackend):
         return decode
 
     def _first_token(self, request: Any) -> bool:
-        """Whether the client's first token comes from the prefill leg (push only:
-        Ray hands off sequentially otherwise)."""
-        return self.first_token and self._push and serves(request)
+        """Whether the client's first token comes from the prefill leg."""
+        return self.first_token and serves(request)
 
     def _extra(self) -> dict[str, Any]:
         return self.kv_transfer_config.setdefault("kv_connector_extra_config", {})

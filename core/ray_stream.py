@@ -1,11 +1,11 @@
 """Ray Serve LLM's decode replica, streaming a client's first token from prefill.
 
-Ray's orchestrator (Ray 2.60, `PDOrchestratorMixin._concurrent_decode`) drains the
-prefill leg's answer unread and streams the decode leg's alone, so a streaming
-client's first token waits for the hand-off and decode's first step. Where kvpush's
-connector backend sends both legs at once (push mode), `KVPushDecodeServer` reads
-prefill's answer instead: its token opens the client's stream, and decode's stream
-follows from its second token, edited as kvpush router edits it
+Ray's orchestrator (Ray 2.60, `PDOrchestratorMixin`) streams the decode leg's answer
+alone: with both legs at once (push) it drains the prefill leg's answer unread, and
+one after the other (pull) it reads only its kv_transfer_params. Either way a
+streaming client's first token waits for decode's first step. `KVPushDecodeServer`
+opens the client's stream with the token of prefill's answer instead, and decode's
+stream follows from its second token, edited as kvpush router edits it
 (kvpush.router.first_token holds what each leg is sent and how decode's events are
 edited; docs/routing.md, 3a). Decode's first token is checked against prefill's; if
 they differ, or decode's leg fails after the client has its first token, the choice
@@ -14,8 +14,8 @@ continues on this replica's engine from the prompt plus the tokens the client ha
     app = kvpush.ray_serve.build_pd_app(config)   # instead of build_pd_openai_app
 
 Turned off per deployment by `"experimental_configs": {"kvpush_first_token": False}`
-in the decode config. Sequential hand-offs (pull mode, or the backend unregistered)
-are Ray's as before.
+in the decode config. With Ray's default connector backend (kvpush's not registered)
+the replica is Ray's as before.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from kvpush.router.legs import openai_error
 log = logging.getLogger(__name__)
 
 SWITCH = "kvpush_first_token"  # in the decode config's experimental_configs
+# Where a sequential hand-off's decode leg carries prefill's answer to the replica,
+# which takes it out before the engine sees the leg.
+PREFILL_ANSWER = "kvpush_prefill_answer"
 DONE = "data: [DONE]\n\n"
 
 
@@ -61,44 +64,44 @@ def serves(request: Any) -> bool:
     return first_token.serves(as_body(request))
 
 
-class KVPushDecodeServer(PDDecodeServer):
-    """Ray's decode replica, with a streaming client's first token from prefill."""
+class _FirstTokenEngine(LLMServer):
+    """The replica's own engine as Ray's orchestrator calls it for the decode leg
+    (its `super()`): a sequential hand-off's decode leg carries prefill's answer, put
+    there by kvpush's backend, and is streamed behind its token."""
 
-    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:
-        await super().__init__(llm_config, **kwargs)
-        backend = self._get_connector_backend()
-        if hasattr(backend, "first_token"):  # kvpush's backend (kvpush.ray_serve)
-            backend.first_token = bool(llm_config.experimental_configs.get(SWITCH, True))
+    async def completions(self, request: Any, raw_request_info: Any = None) -> Any:
+        return await self._decode_leg("completions", request, raw_request_info)
 
-    async def _concurrent_decode(
-        self,
-        method: str,
-        decode_request: Any,
-        prefill_resp: Any,
-        raw_request_info: Any,
-        *,
-        cancel_on_failure: bool = True,
+    async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
+        return await self._decode_leg("chat", request, raw_request_info)
+
+    async def _decode_leg(self, method: str, request: Any, raw_request_info: Any) -> Any:
+        params = dict(getattr(request, "kv_transfer_params", None) or {})
+        answer = params.pop(PREFILL_ANSWER, None)
+        if answer is None:
+            return await getattr(LLMServer, method)(self, request, raw_request_info)
+        request.kv_transfer_params = params
+        ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        ready.set_result(answer)
+        return self._opened(method, request, raw_request_info, ready)
+
+    async def _opened(
+        self, method: str, decode_request: Any, raw_request_info: Any, answer: asyncio.Future
     ) -> AsyncIterator[Any]:
-        if not (getattr(self._get_connector_backend(), "first_token", False)
-                and serves(decode_request)):  # fmt: skip
-            async for chunk in super()._concurrent_decode(
-                method, decode_request, prefill_resp, raw_request_info,
-                cancel_on_failure=cancel_on_failure,
-            ):  # fmt: skip
-                yield chunk
-            return
+        """The client's stream: prefill's token as soon as `answer` (prefill's whole
+        answer) is there, then decode's leg from its second token."""
         body = as_body(decode_request)
         decode_request.return_token_ids = True  # to check decode's first token
-        # The prefill leg is always read to its end: Ray's replica accounting fires then.
-        prefill = asyncio.ensure_future(_answer(prefill_resp))
         local = None
         try:
             local = await getattr(LLMServer, method)(self, decode_request, raw_request_info)
-            answer = await prefill
-            if isinstance(answer, ErrorResponse) or answer is None:
-                yield answer or [_error("the prefill leg answered nothing")]
+            answered = await answer
+            if isinstance(answered, ErrorResponse) or answered is None:
+                yield answered or [_error("the prefill leg answered nothing")]
                 return
-            opening = first_token.opening(answer.model_dump(), body, method == "chat")
+            if not isinstance(answered, dict):
+                answered = answered.model_dump()
+            opening = first_token.opening(answered, body, method == "chat")
             if opening is None:  # not an answer this path can stand on: decode's stream
                 async for chunk in local:
                     yield chunk
@@ -121,10 +124,6 @@ class KVPushDecodeServer(PDDecodeServer):
             if local is not None:  # a diverged choice's own stream is read no further
                 with contextlib.suppress(BaseException):
                     await local.aclose()  # aborts decode's request if it still runs
-            try:
-                await prefill
-            except Exception as exc:  # the client has its answer or an error already
-                log.error("kvpush: the prefill leg failed: %s", exc)
 
     async def _edited(
         self, local: Any, edit: first_token.DecodeEdit, body: dict[str, Any]
@@ -169,6 +168,44 @@ class KVPushDecodeServer(PDDecodeServer):
             out = edit.continued(index, event)
             if out is not None:
                 yield [_encode(out)]
+
+
+class KVPushDecodeServer(PDDecodeServer, _FirstTokenEngine):
+    """Ray's decode replica, with a streaming client's first token from prefill."""
+
+    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:
+        await super().__init__(llm_config, **kwargs)
+        backend = self._get_connector_backend()
+        if hasattr(backend, "first_token"):  # kvpush's backend (kvpush.ray_serve)
+            backend.first_token = bool(llm_config.experimental_configs.get(SWITCH, True))
+
+    async def _concurrent_decode(
+        self,
+        method: str,
+        decode_request: Any,
+        prefill_resp: Any,
+        raw_request_info: Any,
+        *,
+        cancel_on_failure: bool = True,
+    ) -> AsyncIterator[Any]:
+        if not (getattr(self._get_connector_backend(), "first_token", False)
+                and serves(decode_request)):  # fmt: skip
+            async for chunk in super()._concurrent_decode(
+                method, decode_request, prefill_resp, raw_request_info,
+                cancel_on_failure=cancel_on_failure,
+            ):  # fmt: skip
+                yield chunk
+            return
+        # The prefill leg is always read to its end: Ray's replica accounting fires then.
+        prefill = asyncio.ensure_future(_answer(prefill_resp))
+        try:
+            async for chunk in self._opened(method, decode_request, raw_request_info, prefill):
+                yield chunk
+        finally:
+            try:
+                await prefill
+            except Exception as exc:  # the client has its answer or an error already
+                log.error("kvpush: the prefill leg failed: %s", exc)
 
 
 async def _answer(prefill_resp: Any) -> Any:

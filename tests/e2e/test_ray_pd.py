@@ -1,9 +1,9 @@
 """kvpush under Ray Serve LLM's prefill/decode application (kvpush.ray_serve's
-`build_pd_app`; Ray's own `build_pd_openai_app` for pull), on a local Ray cluster:
+`build_pd_app`; Ray's own `build_pd_openai_app` unregistered), on a local Ray cluster:
 push mode with kvpush's connector backend (both legs at once), push mode through
 Ray's default sequential hand-off (backend not registered), pull mode, and two
 prefill and two decode replicas at once. Answers equal a plain instance's, streamed
-ones too, whose first token comes from prefill in push mode; every decode request's
+ones too, whose first token comes from prefill in both modes; every decode request's
 KV landed from the prefill that computed it (a silent recompute would answer right
 too, and leave no such trace); nothing stays in flight."""
 
@@ -112,12 +112,11 @@ def _deploy(
                                      decodes),
     }  # fmt: skip
     kvpush.ray_serve.share_secret(config)
-    # Pull hands off sequentially: kvpush's decode replica would change nothing there.
-    build = build_pd_openai_app if mode == "pull" else kvpush.ray_serve.build_pd_app
-    app = build(config)
-    serve.run(app, name="pd", route_prefix="/")
     # kvpush's backend binds kvpush on the node's address; without it, loopback.
     registered = KVConnectorBackendFactory.is_registered(kvpush.ray_serve.CONNECTOR)
+    # Where kvpush is not registered, users build with Ray's own builder.
+    build = kvpush.ray_serve.build_pd_app if registered else build_pd_openai_app
+    serve.run(build(config), name="pd", route_prefix="/")
     host = ray.util.get_node_ip_address() if registered else "127.0.0.1"
     identities = {f"prefill{r}": f"http://{host}:{prefill_port + r}" for r in range(prefills)}
     decoders = {"decode" + (str(r) if r else ""): f"http://{host}:{decode_port + r}"
@@ -188,6 +187,9 @@ def test_ray_pd_application_answers_as_a_plain_instance(
         _landed(client, identities)
         if mode != "pull":
             _hand_off(client, identities, concurrent=False)
+        else:  # the first token from prefill, though Ray hands off one leg after the other
+            assert_streams_match(client, single, url, seed=720)
+            _drained(client, identities)
     finally:
         serve.delete("pd")
         kvpush.ray_serve.register()
@@ -242,15 +244,16 @@ def _unseeded_stream_is_its_transfers_seed(
     assert ours == theirs and len(ours["choices"][0]["ids"]) == 10
 
 
-def test_ray_pd_push_streams_the_first_token_prefill_sampled(
-    workspace, single, ray_cluster, client
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_ray_pd_streams_the_first_token_prefill_sampled(
+    workspace, single, ray_cluster, client, mode
 ):
     """A prefill whose output head differs (its KV is decode's own): where it samples
     another first token than decode would, the client gets prefill's, and the stream
     goes on as a plain instance continues the prompt plus that token."""
     other = perturbed_copy(workspace.model, workspace.workdir / "model-other-head", head=True,
                            kv=False)  # fmt: skip
-    url, identities = ray_cluster, _deploy(other, workspace.model, "push")
+    url, identities = ray_cluster, _deploy(other, workspace.model, mode)
     try:
         prefills = 0
         for n in (200, 256, 300, 384, 512):

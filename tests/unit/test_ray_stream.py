@@ -21,7 +21,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import CompletionReq
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from test_ray_serve import PEER, _backend
 
-from kvpush.ray_stream import KVPushDecodeServer, seed_of
+from kvpush.ray_stream import PREFILL_ANSWER, KVPushDecodeServer, _FirstTokenEngine, seed_of
 
 PROMPT = [5, 6, 7]
 
@@ -66,21 +66,33 @@ class _Server(KVPushDecodeServer):
         pass
 
 
-def _prefill_answer(token: int = 7, text: str = "A") -> Any:
-    answer = {"id": "cmpl-prefill", "object": "text_completion", "created": 1, "model": "tiny",
+def _prefill_answer(token: int = 7, text: str = "A") -> dict[str, Any]:
+    return {"id": "cmpl-prefill", "object": "text_completion", "created": 1, "model": "tiny",
               "choices": [{"index": 0, "text": text, "token_ids": [token], "logprobs": None,
                            "finish_reason": "length", "stop_reason": None,
                            "prompt_token_ids": PROMPT}],
               "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}  # fmt: skip
 
+
+def _prefill_stream() -> Any:
+    """Prefill's answer as Ray's prefill handle streams it: one response object."""
+
     async def stream():
+        answer = _prefill_answer()
         yield SimpleNamespace(model_dump=lambda: answer)
 
     return stream()
 
 
-def _stream(engine: Engine, monkeypatch, first_token: bool = True, **request: Any) -> list:
-    """The client's events from the replica, with prefill answering token 7 ("A")."""
+def _stream(
+    engine: Engine,
+    monkeypatch,
+    first_token: bool = True,
+    sequential: bool = False,
+    **request: Any,
+) -> list:
+    """The client's events from the replica, with prefill answering token 7 ("A"):
+    both legs at once, or (`sequential`) prefill's answer carried by the decode leg."""
     # A function, so that Ray's own path (super() in its mixin) binds it too.
     monkeypatch.setattr(LLMServer, "completions", lambda s, r, raw=None: engine.completions(s, r))
     server = object.__new__(_Server)
@@ -88,13 +100,18 @@ def _stream(engine: Engine, monkeypatch, first_token: bool = True, **request: An
     server._get_connector_backend = lambda: backend
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
             "stream": True, **request}  # fmt: skip
-    decode = CompletionRequest(**body, kv_transfer_params={"do_remote_prefill": True})
+    params: dict[str, Any] = {"do_remote_prefill": True}
+    if sequential:
+        params[PREFILL_ANSWER] = _prefill_answer()
+    decode = CompletionRequest(**body, kv_transfer_params=params)
 
     async def read():
         out = []
-        async for batch in server._concurrent_decode(
-            "completions", decode, _prefill_answer(), None
-        ):
+        if sequential:  # what Ray's orchestrator calls: its super(), the replica's engine
+            stream = await _FirstTokenEngine.completions(server, decode)
+        else:
+            stream = server._concurrent_decode("completions", decode, _prefill_stream(), None)
+        async for batch in stream:
             for item in batch:
                 payload = item.removeprefix("data: ").strip()
                 out.append(payload if payload == "[DONE]" else json.loads(payload))
@@ -177,3 +194,28 @@ def test_both_legs_of_an_unseeded_stream_sample_with_one_seed_from_the_transfer_
     assert backend.prepare_prefill_request(request=seeded, peer=PEER).seed == 11
     whole = request.model_copy(update={"stream": False})
     assert backend.prepare_prefill_request(request=whole, peer=PEER).seed is None
+
+
+def test_a_sequential_hand_off_opens_with_the_prefill_answer_its_decode_leg_carries(monkeypatch):
+    engine = Engine([[_event(7, "A")], [_event(8, "B"), _event(9, "C", "length")],
+                     ["data: [DONE]\n\n"]])  # fmt: skip
+    events = _stream(engine, monkeypatch, sequential=True)
+    assert events[0]["id"] == "cmpl-prefill" and _text(events) == "ABC"
+    (decode,) = engine.requests  # the engine never sees prefill's answer
+    assert PREFILL_ANSWER not in decode.kv_transfer_params and decode.return_token_ids
+
+
+def test_a_sequential_decode_leg_carries_prefills_answer_and_its_seed():
+    backend = _backend("pull")
+    backend.first_token = True
+    request = CompletionRequest(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
+                                temperature=1.0)  # fmt: skip
+    prefill = backend.prepare_prefill_request(request=request, peer=None)
+    echo = {"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "p"}
+    answer = SimpleNamespace(kv_transfer_params=echo, model_dump=_prefill_answer)
+    decode = backend.prepare_decode_request(request=request, peer=None, prefill_response=answer)
+    assert decode.seed == prefill.seed == seed_of(prefill.kv_transfer_params["transfer_id"])
+    assert decode.kv_transfer_params == {**echo, PREFILL_ANSWER: _prefill_answer()}
+    backend.first_token = False  # Ray's own decode replica: the echo alone
+    decode = backend.prepare_decode_request(request=request, peer=None, prefill_response=answer)
+    assert decode.kv_transfer_params == echo and decode.seed is None
