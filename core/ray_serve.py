@@ -9,15 +9,18 @@ for: Ray binds the prefill replica first, both legs carry one transfer id derive
 from Ray's request id, and the decode leg names the prefill replica's bootstrap
 server (kvpush.vllm.bootstrap), so decode registers its blocks while prefill
 computes. Pull mode keeps the sequential hand-off and forwards the prefill's echo.
+Built with `build_pd_app`, the decode replicas are kvpush's own
+(kvpush.ray_stream), and a streaming client's first token comes from prefill.
 
     import kvpush.ray_serve
     kvpush.ray_serve.register()          # in the driver, before building the app
     config = {...}                       # KVPushConnector in both kv_transfer_configs
     kvpush.ray_serve.share_secret(config)  # one secret for this deployment's replicas
-    app = build_pd_openai_app(config)
+    app = kvpush.ray_serve.build_pd_app(config)   # or Ray's build_pd_openai_app
 
-`register()` writes to Ray's internal registry (`ray.llm._internal`); Ray 2.60 has
-no public way to add a backend.
+`register()` writes to Ray's internal registry (`ray.llm._internal`), and
+`build_pd_app` swaps the decode class Ray's builder names: Ray 2.60 has no public
+way to do either.
 """
 
 from __future__ import annotations
@@ -62,9 +65,9 @@ def register() -> None:
 def build_pd_app(pd_config: dict[str, Any]) -> Any:
     """Ray's `build_pd_openai_app`, its decode replicas kvpush's own
     (kvpush.ray_stream.KVPushDecodeServer): a streaming client's first token comes
-    from the prefill leg. Ray 2.60's builder names its decode class
-    inside; it is swapped there for this one call. Data-parallel decode keeps Ray's.
-    Call register() first, as for Ray's builder."""
+    from the prefill leg. Ray 2.60's builder names its decode class inside; it is
+    swapped there for this one call. Data-parallel decode keeps Ray's. Call
+    register() first, as for Ray's builder."""
     from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
 
     ray_own = builder.PDDecodeServer
