@@ -35,7 +35,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer
 
-from kvpush.router import first_token
+from kvpush.router import first_token, sse
 from kvpush.router.legs import openai_error
 
 log = logging.getLogger(__name__)
@@ -228,22 +228,18 @@ async def _events(stream: Any) -> AsyncIterator[dict[str, Any]]:
                     yield item.model_dump()
                     return
                 for line in str(item).splitlines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
+                    event = sse.data(line)
+                    if event is sse.END:
                         return
-                    with contextlib.suppress(ValueError):
-                        event = json.loads(payload)
-                        if isinstance(event, dict):
-                            yield event
+                    if event is not None:
+                        yield event
     finally:
         with contextlib.suppress(BaseException):
             await stream.aclose()
 
 
 def _encode(event: dict[str, Any]) -> str:
-    return "data: " + json.dumps(event, separators=(",", ":")) + "\n\n"
+    return sse.encode(event).decode()
 
 
 def _error(message: str) -> str:

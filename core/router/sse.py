@@ -13,6 +13,24 @@ def encode(event: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
+END = object()  # what data() makes of `data: [DONE]`
+
+
+def data(line: bytes | str) -> Any:
+    """One line of a stream: its JSON object, END for [DONE], None for anything else."""
+    prefix, done = (b"data:", b"[DONE]") if isinstance(line, bytes) else ("data:", "[DONE]")
+    if not line.startswith(prefix):
+        return None
+    payload = line[5:].strip()
+    if payload == done:
+        return END
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
 async def events(content: aiohttp.StreamReader) -> Any:
     """A server-sent event stream's JSON events, up to [DONE]. Split by hand: an
     event can be longer than aiohttp's line limit (a long prompt's token ids)."""
@@ -22,16 +40,10 @@ async def events(content: aiohttp.StreamReader) -> Any:
         *blocks, pending = pending.split(b"\n\n")
         for block in blocks:
             for line in block.splitlines():
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+                event = data(line)
+                if event is END:
                     return
-                try:
-                    event = json.loads(payload)
-                except ValueError:
-                    continue
-                if isinstance(event, dict):
+                if event is not None:
                     yield event
 
 
