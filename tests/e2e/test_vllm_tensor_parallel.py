@@ -44,6 +44,15 @@ class _TP2Pair:
                                 **PREFILL_TIMERS)  # fmt: skip
         self.mode = mode
         self.cluster.start(*TP2)
+        # A TP 2 engine's first forward pass builds its kernels, for many seconds on two
+        # busy cores: done here, each engine on its own, so that no transfer's watchdog
+        # waits on it (one expired in CI while other modules loaded the cores).
+        client = Client()
+        try:
+            for name in TP2:
+                client.tokens(self.cluster.servers[name].url, prompt(300, 10999), max_tokens=2)
+        finally:
+            client.http.close()
 
     def stop(self) -> None:
         for name in TP2:
