@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--configs",
         help="comma-separated, of plain, push, pull, upstream, upstream-push, "
-        "push-decode-first (default: all the installed vLLM can run)",
+        "push-decode-first, prefill-alone (default: all but prefill-alone that the "
+        "installed vLLM can run)",
     )
     serve.add_argument(
         "--placements",

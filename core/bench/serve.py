@@ -8,6 +8,11 @@ Each configuration runs in turn on the same machine, model and seeded prompts:
   push-decode-first
              push, the router run with --no-first-token: a streaming client's first
              token is decode's, not the prefill leg's (docs/routing.md, 3a)
+  prefill-alone
+             a kvpush prefill instance asked directly, no router, no decode, no
+             transfer: the floor of push's TTFT (the prefill leg computes the first
+             token), so a run shows what the router and the second instance add.
+             Only when asked for by --configs
   upstream   vLLM's own NixlConnector prefill + decode, driven the way its toy proxy
              drives them (prefill first, then decode with the prefill's answer)
   upstream-push
@@ -55,7 +60,10 @@ from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
 from kvpush.bench.report import Report
 from kvpush.errors import KVPushError
 
-CONFIGS = ("plain", "push", "pull", "upstream", "upstream-push", "push-decode-first")
+CONFIGS = ("plain", "push", "pull", "upstream", "upstream-push", "push-decode-first",
+           "prefill-alone")  # fmt: skip
+# A diagnostic, not a way to serve: in the grid only when named.
+ON_REQUEST = ("prefill-alone",)
 # Where the client's first token is decode's: its TTFT includes the hand-off.
 DECODE_FIRST = ("upstream", "upstream-push", "push-decode-first")
 UPSTREAM = ("upstream", "upstream-push")
@@ -167,6 +175,12 @@ class Deployment:
             flags = ("--no-first-token",) if self.config == "push-decode-first" else ()
             router = cluster.start_router(["prefill"], ["decode"], mode=mode, flags=flags)
             self.target = load.Target(router)
+        elif self.config == "prefill-alone":
+            # Requests without kv_transfer_params: vLLM serves them whole, locally,
+            # with the connector loaded and idle.
+            self._server("prefill", "kv_producer", s.prefill_cpus, **{**s.kv_extra, "mode": "push"})
+            cluster.start()
+            self.target = load.Target(cluster.servers["prefill"].url)
         elif self.config == "upstream":
             self._upstream("prefill", "kv_producer", s.prefill_cpus, "NixlConnector")
             self._upstream("decode", "kv_consumer", s.decode_cpus, "NixlConnector")
@@ -583,6 +597,8 @@ def _where_bars(axis: Any, cells: list[Cell]) -> None:
     whole = [sum(ms for part, ms in splits[n].items() if part not in labels) for n in names]
     if any(whole):  # configurations without spans: their TTFT is one part
         axis.bar(names, whole, bottom=bottoms, label="(no spans)", color="0.6")
+    tops = [b + w for b, w in zip(bottoms, whole, strict=True)]
+    axis.set_ylim(0, max(tops, default=0.0) * 1.08 or 1.0)  # the tallest bar's top in view
     axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
@@ -631,7 +647,10 @@ def upstream_push_available() -> bool:
 
 def default_configs() -> tuple[str, ...]:
     """Every configuration the installed vLLM can run."""
-    return tuple(c for c in CONFIGS if c != "upstream-push" or upstream_push_available())
+    return tuple(
+        c for c in CONFIGS
+        if c not in ON_REQUEST and (c != "upstream-push" or upstream_push_available())
+    )  # fmt: skip
 
 
 def parse_list(text: str, kind: Callable[[str], float]) -> tuple:

@@ -57,13 +57,18 @@ def test_bench_serve_attached_to_running_servers(cluster, router, tmp_path):
 
 
 def test_bench_serve_starts_servers_pins_them_and_counts_their_cpu(tmp_path):
+    # prefill-alone: a kvpush prefill instance asked directly answers as plain does.
     cells = _bench(
-        tmp_path, "--lengths", "32", "--configs", "plain", "--placements", "colocated,pinned",
-        "--prefill-cpus", "1",
+        tmp_path, "--lengths", "32", "--configs", "plain,prefill-alone",
+        "--placements", "colocated,pinned", "--prefill-cpus", "1",
     )  # fmt: skip
-    assert [c["placement"] for c in cells] == ["colocated", "pinned"]
+    assert [(c["config"], c["placement"]) for c in cells] == [
+        (config, placement)
+        for config in ("plain", "prefill-alone") for placement in ("colocated", "pinned")
+    ]  # fmt: skip
     for cell in cells:
         _sane(cell)
-        assert set(cell["cpu_load_cores"]) == {"plain"}
-        assert cell["cpu_load_cores"]["plain"] > 0  # it computed
-        assert 0 <= cell["cpu_idle_cores"]["plain"] < 0.5
+        server = "plain" if cell["config"] == "plain" else "prefill"
+        assert set(cell["cpu_load_cores"]) == {server}
+        assert cell["cpu_load_cores"][server] > 0  # it computed
+        assert 0 <= cell["cpu_idle_cores"][server] < 0.5

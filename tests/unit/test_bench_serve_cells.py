@@ -130,3 +130,10 @@ def test_the_streaming_client_times_the_second_token_even_when_it_shares_a_chunk
     assert outcome.ok and outcome.token_ids == [5, 6, 7]
     assert outcome.t2t == outcome.ttft == outcome.token_times[0]
     assert outcome.t2t < outcome.token_times[1]
+
+
+def test_prefill_alone_runs_only_when_named():
+    assert "prefill-alone" not in serve.default_configs()
+    assert serve.Settings(configs=("plain", "prefill-alone")).configs[-1] == "prefill-alone"
+    with pytest.raises(serve.KVPushError, match="unknown configuration"):
+        serve.Settings(configs=("prefill-only",))
