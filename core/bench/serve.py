@@ -78,7 +78,7 @@ class Settings:
     rates: tuple[float, ...] = (1.0, 8.0)
     requests: int = 24
     output_tokens: int = 16
-    configs: tuple[str, ...] = CONFIGS
+    configs: tuple[str, ...] = tuple(c for c in CONFIGS if c not in ON_REQUEST)
     placements: tuple[str, ...] = PLACEMENTS
     prefill_cpus: str = "0"
     decode_cpus: str = "1"
@@ -646,7 +646,7 @@ def upstream_push_available() -> bool:
 
 
 def default_configs() -> tuple[str, ...]:
-    """Every configuration the installed vLLM can run."""
+    """Every configuration the installed vLLM can run, but those run only on request."""
     return tuple(
         c for c in CONFIGS
         if c not in ON_REQUEST and (c != "upstream-push" or upstream_push_available())
