@@ -78,7 +78,7 @@ class Settings:
     rates: tuple[float, ...] = (1.0, 8.0)
     requests: int = 24
     output_tokens: int = 16
-    configs: tuple[str, ...] = tuple(c for c in CONFIGS if c not in ON_REQUEST)
+    configs: tuple[str, ...] = field(default_factory=lambda: default_configs())  # below
     placements: tuple[str, ...] = PLACEMENTS
     prefill_cpus: str = "0"
     decode_cpus: str = "1"
