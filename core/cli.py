@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -456,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    before = signal.signal(signal.SIGTERM, _unwind)
     try:
         return args.run(args)
     except KVPushError as exc:
@@ -463,3 +465,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _unwind(signum: int, frame: object) -> None:
+    """SIGTERM (`timeout`, `kill`, a cancelled CI job) unwinds the command as Ctrl-C
+    does. The vLLM servers and routers that `demo` and `bench` start run in their own
+    sessions, out of reach of a signal to ours: only the command's own clean-up stops
+    them, and Python's default for SIGTERM skips it."""
+    # A second SIGTERM must not cut that clean-up short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +75,54 @@ def test_bench_serve_starts_servers_pins_them_and_counts_their_cpu(tmp_path):
         assert set(cell["cpu_load_cores"]) == {server}
         assert cell["cpu_load_cores"][server] > 0  # it computed
         assert 0 <= cell["cpu_idle_cores"][server] < 0.5
+
+
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...); [] if gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _children(pid: int) -> list[int]:
+    entries = (e.name for e in Path("/proc").iterdir() if e.name.isdigit())
+    return [int(name) for name in entries if _stat(name)[1:2] == [str(pid)]]
+
+
+def _tree(pid: int) -> list[int]:
+    """pid's descendants."""
+    below = _children(pid)
+    return below + [p for child in below for p in _tree(child)]
+
+
+def _alive(pid: int) -> bool:
+    return _stat(pid)[:1] not in ([], ["Z"])
+
+
+def test_bench_serve_stopped_by_sigterm_stops_the_servers_it_started(tmp_path):
+    # The servers run in sessions of their own: a SIGTERM to the bench reaches them
+    # only through the bench's clean-up.
+    command = [
+        sys.executable, "-m", "kvpush", "bench", "serve", "--configs", "plain",
+        "--placements", "colocated", "--lengths", "32", "--rates", "1", "--requests", "100000",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    log = tmp_path / "bench.log"
+    with log.open("w") as out:
+        bench = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not _children(bench.pid) and time.monotonic() < deadline:
+            assert bench.poll() is None, log.read_text()
+            time.sleep(0.5)
+        time.sleep(5)  # well into the server's start: its engine core is up
+        tree = _tree(bench.pid)
+        assert tree, "the bench started no server"
+        bench.send_signal(signal.SIGTERM)
+        code = bench.wait(timeout=120)
+        assert not [pid for pid in tree if _alive(pid)], "servers outlived the bench"
+        assert code == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        if bench.poll() is None:
+            bench.kill()
