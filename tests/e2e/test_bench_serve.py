@@ -7,9 +7,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import psutil
 import pytest
+
+from kvpush.bench.cpu import tree
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -77,27 +79,11 @@ def test_bench_serve_starts_servers_pins_them_and_counts_their_cpu(tmp_path):
         assert 0 <= cell["cpu_idle_cores"][server] < 0.5
 
 
-def _stat(pid: int | str) -> list[str]:
-    """/proc/PID/stat's fields after the command name (state, ppid, ...); [] if gone."""
+def _alive(process: psutil.Process) -> bool:
     try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _children(pid: int) -> list[int]:
-    entries = (e.name for e in Path("/proc").iterdir() if e.name.isdigit())
-    return [int(name) for name in entries if _stat(name)[1:2] == [str(pid)]]
-
-
-def _tree(pid: int) -> list[int]:
-    """pid's descendants."""
-    below = _children(pid)
-    return below + [p for child in below for p in _tree(child)]
-
-
-def _alive(pid: int) -> bool:
-    return _stat(pid)[:1] not in ([], ["Z"])
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_bench_serve_stopped_by_sigterm_stops_the_servers_it_started(tmp_path):
@@ -114,13 +100,15 @@ def test_bench_serve_stopped_by_sigterm_stops_the_servers_it_started(tmp_path):
     try:
         # Until the server has started its engine core: its whole tree must go.
         deadline = time.monotonic() + 300
-        while len(tree := _tree(bench.pid)) < 2 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             assert bench.poll() is None, log.read_text()
+            if len(servers := tree(bench.pid)[1:]) >= 2:
+                break
             time.sleep(0.5)
-        assert len(tree) >= 2, f"the bench started no server with an engine: {tree}"
+        assert len(servers) >= 2, f"the bench started no server with an engine: {servers}"
         bench.send_signal(signal.SIGTERM)
         code = bench.wait(timeout=120)
-        assert not [pid for pid in tree if _alive(pid)], "servers outlived the bench"
+        assert not [p.pid for p in servers if _alive(p)], "servers outlived the bench"
         assert code == 128 + signal.SIGTERM, log.read_text()
     finally:
         if bench.poll() is None:

@@ -135,6 +135,7 @@ def test_the_streaming_client_times_the_second_token_even_when_it_shares_a_chunk
 def test_prefill_alone_runs_only_when_named():
     assert "prefill-alone" not in serve.default_configs()
     assert serve.Settings().configs == serve.default_configs()
-    serve.Settings(configs=("plain", "prefill-alone"))  # named: taken
+    named = ("plain", "prefill-alone")
+    assert serve.Settings(configs=named).configs == named
     with pytest.raises(serve.KVPushError, match="unknown configuration"):
         serve.Settings(configs=("prefill-only",))
