@@ -207,7 +207,7 @@ def _router(args: argparse.Namespace) -> int:
         keepalive_s=args.keepalive,
         first_token=args.first_token,
     )
-    run(config, args.host, args.port)
+    run(config, args.host, args.port, args.loop)
     return 0
 
 
@@ -436,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="a streaming client's first token waits for the decode leg, as without "
         "disaggregation, instead of coming from the prefill leg",
+    )
+    router.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="event loop, as uvicorn's --loop: auto is uvloop where installed",
     )
     router.set_defaults(run=_router)
 

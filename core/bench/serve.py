@@ -26,7 +26,8 @@ decode to --decode-cpus) and then "pinned" (every thread of each server's proces
 tree bound to its CPUs, as separate hosts would be). Each cell of the grid — prompt
 length x request rate — sends Poisson arrivals of fresh greedy prompts and records
 TTFT, TPOT and ITL percentiles, goodput under the SLO, failures, outputs that differ
-from the plain instance's, and each server tree's CPU while idle and under load.
+from the plain instance's, and each server tree's CPU (and the router's) while idle
+and under load.
 
 Each cell also records the time to the second token (T2T) and every request's TTFT,
 and, on kvpush instances, the spans of where the time went (kvpush.vllm.spans).
@@ -274,7 +275,11 @@ class Deployment:
         return found
 
     def cpu_seconds(self) -> dict[str, float]:
-        return {name: tree_cpu_seconds(pid) for name, pid in self.pids().items()}
+        """CPU seconds so far of each server's process tree and of each router's."""
+        pids = self.pids() | {
+            name: router.pid for name, (router, _) in self.cluster.routers.items()
+        }
+        return {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
 
     def stop(self) -> None:
         self.cluster.stop()

@@ -620,7 +620,29 @@ def _forwarded(request: web.Request) -> dict[str, str]:
     return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
 
 
-def run(config: RouterConfig, host: str, port: int) -> None:
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
+    """A new event loop of `kind`, as uvicorn's --loop reads it: "auto" is uvloop where
+    it is installed (vLLM depends on it), else asyncio's. Relaying a stream is a
+    read, an edit and a send per token, mostly system calls either way; uvloop's C
+    loop takes a little less of the router's CPU per request (docs/benchmarks.md),
+    CPU that a router on an engine's host takes from the engines."""
+    if kind not in LOOPS:
+        raise ValueError(f"unknown event loop {kind!r}; known: {list(LOOPS)}")
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def run(config: RouterConfig, host: str, port: int, loop: str = "auto") -> None:
     """Serve until interrupted."""
     raise_open_files()
     # handler_cancellation: a client that goes away cancels its handler, which closes
@@ -633,4 +655,5 @@ def run(config: RouterConfig, host: str, port: int) -> None:
         backlog=BACKLOG,
         handle_signals=True,
         handler_cancellation=True,
+        loop=event_loop(loop),
     )

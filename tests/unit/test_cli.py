@@ -69,3 +69,16 @@ def test_doctor_lists_every_vllm_hook_with_its_versions_and_cost():
     assert {"engine_inbox", "idle_wait", "park_workers"} <= rows.keys()
     for row in rows.values():
         assert row["verified"] and row["cost_when_off"] and row["vllm"] != "unknown"
+
+
+def test_router_loop_reaches_the_server_and_an_unknown_one_is_refused(monkeypatch):
+    import kvpush.router.app as app
+    from kvpush.cli import main
+
+    seen = []
+    monkeypatch.setattr(app, "run", lambda config, host, port, loop: seen.append(loop))
+    spec = ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert main(spec) == 0 and main([*spec, "--loop", "asyncio"]) == 0
+    assert seen == ["auto", "asyncio"]
+    result = _kvpush(*spec, "--loop", "trio")
+    assert result.returncode == 2 and "invalid choice: 'trio'" in result.stderr

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from kvpush.identities import InstanceIdentity, decode_params, parse_identity
 from kvpush.ports import free_port
-from kvpush.router.app import Router, RouterConfig
+from kvpush.router.app import Router, RouterConfig, event_loop
 from kvpush.router.instances import Instance, pairing_problem
 
 ECHO = {"remote_engine_id": "e", "remote_epoch": "x", "transfer_mode": "push",
@@ -657,3 +657,43 @@ def test_a_decode_identity_endpoint_that_does_not_answer_is_not_asked_per_reques
         return len(asked)
 
     assert run(scenario()) == 1  # at start; not again within the cooldown
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_the_router_relays_a_stream_on_the_event_loop_it_is_given(kind):
+    """`kvpush router --loop`: "auto" (the default) is uvloop, installed with vLLM."""
+    loop = event_loop(kind)
+    assert type(loop).__module__.partition(".")[0] == kind
+
+    async def scenario() -> str:
+        prefill, decode = Fake(prefill_ok), Fake(streaming(pieces=3, gap=0.0))
+        _, runner, url = await _serve([prefill], [decode])
+        body = {"model": "m", "prompt": "p", "stream": True}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/completions", json=body) as r,
+        ):
+            assert r.status == 200
+            text = await r.text()
+        await _close(runner, [prefill, decode])
+        return text
+
+    try:
+        text = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert [json.loads(line[6:])["choices"][0]["text"] for line in text.split("\n\n")
+            if line.startswith("data: {")] == ["0", "1", "2"]  # fmt: skip
+    assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_auto_is_uvloop_and_an_unknown_loop_is_refused():
+    import uvloop
+
+    loop = event_loop("auto")
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    with pytest.raises(ValueError, match="unknown event loop 'trio'"):
+        event_loop("trio")
