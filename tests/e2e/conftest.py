@@ -352,8 +352,10 @@ def assert_streams_match(client: Client, single: str, router: str, seed: int) ->
 def assert_unseeded_stream_is_its_seed(client: Client, single: str, router: str) -> None:
     """An unseeded sampled stream: the router gave both legs one seed (its trace says
     which), and the stream is what a plain instance streams with that seed."""
+    # ignore_eos: the seed is minted per request, so it may sample EOS early.
     body = {"model": MODEL_NAME, "prompt": prompt(220, 77), "max_tokens": 10,
-            "temperature": 1.0, "return_token_ids": True}  # fmt: skip
+            "temperature": 1.0, "return_token_ids": True,
+            "ignore_eos": True}  # fmt: skip
     ours = streamed(client, router, "/v1/completions", body)
     seed = client.http.get(router + "/kvpush/trace?last=1").json()[-1]["seed"]
     theirs = streamed(client, single, "/v1/completions", {**body, "seed": seed})

@@ -235,8 +235,10 @@ def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
 def _unseeded_stream_is_its_transfers_seed(
     client: Client, single: str, url: str, identities: dict[str, str]
 ) -> None:
+    # ignore_eos: the seed is minted per request, so it may sample EOS early.
     body = {"model": MODEL_NAME, "prompt": prompt(220, 3477), "max_tokens": 10,
-            "temperature": 1.0, "return_token_ids": True}  # fmt: skip
+            "temperature": 1.0, "return_token_ids": True,
+            "ignore_eos": True}  # fmt: skip
     ours = streamed(client, url, "/v1/completions", body)
     decoded, _ = _traces(client, identities)
     transfer = max(decoded, key=lambda t: t["marks"].get("arrived", 0))["transfer_id"]
