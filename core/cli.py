@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpush.errors import KVPushError
+from kvpush.router import LOOPS
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -439,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     router.add_argument(
         "--loop",
-        choices=("auto", "asyncio", "uvloop"),
+        choices=LOOPS,
         default="auto",
         help="event loop, as uvicorn's --loop: auto is uvloop where installed",
     )

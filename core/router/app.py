@@ -37,7 +37,7 @@ from kvpush.identities import (
 )
 from kvpush.limits import raise_open_files
 from kvpush.metrics import Metrics
-from kvpush.router import first_token
+from kvpush.router import LOOPS, first_token
 from kvpush.router.early import FirstTokenStreams
 from kvpush.router.instances import Instance, Pool, pairing_problem
 from kvpush.router.legs import (
@@ -618,9 +618,6 @@ class Router(FirstTokenStreams):
 
 def _forwarded(request: web.Request) -> dict[str, str]:
     return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
-
-
-LOOPS = ("auto", "asyncio", "uvloop")
 
 
 def event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
