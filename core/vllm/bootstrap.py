@@ -18,12 +18,23 @@ The same resolver completes a decode leg that names its producer only by the
 prefill echo's `remote_host` and `remote_port` (vllm-router's NIXL push mode keeps
 nothing else of it): they name the prefill instance's kvpush identity endpoint,
 whose `GET /query` answers the identity itself.
+
+Whoever can send decode a request names the endpoint decode then asks, so an
+endpoint must be a bare `http(s)://host:port` (kvpush appends `/query`), and a
+failed query is reported by what went wrong, never by what the endpoint answered:
+the report reaches decode's trace, and a client must not read another server
+through it.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import re
 import threading
 import time
+import urllib.error
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +49,9 @@ RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
 MAX_ENTRIES = 256  # endpoints' answers kept (the least recently asked go first)
 MAX_ASKING = 32  # endpoints being asked at once
 QUERY_THREADS = 2
+_SCHEMES = ("http", "https")
+# host:port, the host a DNS name, an IPv4 address or a bracketed IPv6 one.
+_NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253})(:(?P<port>\d{1,5}))?")
 
 
 class LegError(KVPushError):
@@ -80,7 +94,15 @@ class BootstrapResolver:
 
     def producer(self, address: str, engine_id: str) -> InstanceIdentity | None:
         """The kvpush identity of engine `engine_id` at bootstrap server `address`, or
-        None while it is being asked for. Raises LegError if it cannot be had."""
+        None while it is being asked for. Raises LegError if it cannot be had, or if
+        `address` is anything more than http(s)://host:port."""
+        problem = endpoint_problem(address)
+        if problem is not None:
+            raise LegError(
+                "bad_bootstrap_addr",
+                f"the producer endpoint {str(address)[:200]!r} must be http(s)://host:port "
+                f"and nothing more: {problem}",
+            )
         now = self._clock()
         with self._lock:
             entry = self._entries.get(address)
@@ -126,7 +148,7 @@ class BootstrapResolver:
             try:
                 answer, error = self._fetch(address), ""
             except Exception as exc:  # any failure is this leg's answer, not a crash
-                answer, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                answer, error = None, _failure(exc)
             with self._lock:
                 self._entries[address] = _Entry(answer, error, self._clock())
                 self._entries.move_to_end(address)
@@ -166,9 +188,61 @@ def _pick(address: str, answer: dict[str, Any], engine_id: str) -> InstanceIdent
             return parse_identity(identity, f"the identity bootstrap server {address} gave")
         except IdentityError as exc:
             raise LegError("bad_identity", str(exc)) from None
-    engines = sorted(str(e.get("engine_id")) for e in entries)
+    # How many, not which: their ids are the endpoint's words (see the module's doc).
     raise LegError(
         "unknown_engine",
-        f"bootstrap server {address} serves engine(s) {engines}, not {engine_id!r} "
-        "that the decode leg names",
+        f"bootstrap server {address} serves {len(entries)} engine(s), not {engine_id!r} "
+        "that the decode leg names (its GET /query lists the ones it serves)",
     )
+
+
+def endpoint_problem(address: str) -> str | None:
+    """What makes `address` more (or less) than http(s)://host:port, or None. A
+    trailing "/" is allowed, and the port may be left to the scheme's default."""
+    if not isinstance(address, str):
+        return f"it is a {type(address).__name__}, not a string"
+    if any(c.isspace() or not c.isprintable() for c in address):
+        return "it holds white space or control characters"
+    try:
+        url = urllib.parse.urlsplit(address)
+    except ValueError:  # an unclosed "[" of an IPv6 host, say
+        return "it is not a URL"
+    if url.scheme not in _SCHEMES:
+        return (
+            f"its scheme is {url.scheme!r}, not http or https" if url.scheme else "it has no scheme"
+        )
+    if "@" in url.netloc:
+        return "it carries user information (user@)"
+    if url.path not in ("", "/"):
+        return "it has a path"
+    if "?" in address:
+        return "it has a query"
+    if "#" in address:
+        return "it has a fragment"
+    netloc = _NETLOC.fullmatch(url.netloc)
+    if netloc is None:
+        return "its host is not a host name or IP address"
+    port = netloc["port"]
+    if port is not None and not 0 < int(port) < 65536:
+        return f"its port {port} is not from 1 to 65535"
+    return None
+
+
+def _failure(exc: Exception) -> str:
+    """Why a query failed, in words that carry nothing the endpoint sent: its body,
+    or its status line's words, could be any server's that the leg named."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP status {exc.code}"
+    if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+        return "its answer is not JSON"
+    if isinstance(exc, http.client.HTTPException):
+        return f"its answer is not HTTP ({type(exc).__name__})"
+    if isinstance(exc, urllib.error.URLError):
+        return (
+            f"URLError: {str(exc.reason)[:200]}" if isinstance(exc.reason, OSError) else "URLError"
+        )
+    if isinstance(exc, OSError | ValueError):
+        # Raised here, not sent: a refused or reset connection, a timeout, and
+        # fetch_query's own limits (too long, too big, not an object).
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return type(exc).__name__
