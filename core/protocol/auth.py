@@ -1,11 +1,14 @@
 """Authenticated framing of protocol messages over one connection.
 
-Frame: msgpack [version, seq, mac, payload]. Hellos, and a Reject refusing one,
-(seq 0) are signed with the shared secret. Once both hellos are in, each direction
-signs with its own key derived from the secret and both sides' nonces, and sequence
-numbers must rise:
+Frame: msgpack [version, seq, mac, payload]. Hellos (seq 0) are signed with the
+shared secret. Once both hellos are in, each direction signs with its own key
+derived from the secret and both sides' nonces, and sequence numbers must rise:
 a message replayed within the session, carried over from another session, or sent
-back to its author fails. Nothing here does I/O; a Session only holds counters.
+back to its author fails. A Reject sent before that (seq 0, refusing the peer's
+hello) is signed with a key derived from the secret and the peer's nonce, so it
+opens only the session it refuses; one that cannot name the peer's nonce (no hello
+of the peer's checked out) is sent for people reading the wire, and every Session
+refuses it. Nothing here does I/O; a Session only holds counters.
 The caller brings the secret (kvpush.vllm.config.load_secret reads it from the
 settings or the environment) and each session's random nonce.
 
@@ -29,6 +32,20 @@ _frame_decoder = msgspec.msgpack.Decoder(tuple[int, int, bytes, bytes])
 
 def _mac(key: bytes, seq: int, payload: bytes) -> bytes:
     return hmac.new(key, seq.to_bytes(8, "big") + payload, hashlib.sha256).digest()
+
+
+def _unsigned(payload: bytes) -> str:
+    """Why a first frame signed neither as a hello nor for this session is refused."""
+    try:
+        refusal = isinstance(decode(payload), Reject)
+    except ProtocolError:
+        refusal = False
+    if refusal:
+        return (
+            "a refusal not signed for this session: the peer has a different shared "
+            "secret, or it was replayed from another session"
+        )
+    return "bad hello signature: the peer has a different shared secret"
 
 
 class Session:
@@ -65,10 +82,7 @@ class Session:
             return msgspec.msgpack.encode((PROTOCOL_VERSION, 0, mac, payload))
         if not self.established:
             if isinstance(message, Reject):
-                # A refusal must be sayable before the session exists.
-                return msgspec.msgpack.encode(
-                    (PROTOCOL_VERSION, 0, _mac(self._secret, 0, payload), payload)
-                )
+                return self._seal_refusal(payload)
             raise ProtocolError("no message before both hellos")
         self._seq_out += 1
         mac = _mac(self._send_key, self._seq_out, payload)
@@ -105,20 +119,46 @@ class Session:
         self._seq_in = seq
         return message
 
+    def _seal_refusal(self, payload: bytes) -> bytes:
+        """A Reject before the session's keys exist: a refusal must be sayable then.
+        Bound to the peer's nonce where its hello checked out; otherwise signed as a
+        hello is, which no Session believes (a replay would be just as good)."""
+        if self.peer_hello is not None:
+            key = self._refusal_key(self.peer_hello.nonce)
+        else:
+            key = self._secret
+        return msgspec.msgpack.encode((PROTOCOL_VERSION, 0, _mac(key, 0, payload), payload))
+
+    def _refusal_key(self, nonce: bytes) -> bytes:
+        """The key of a Reject refusing the hello that carried `nonce`."""
+        return hmac.new(self._secret, b"kvpush-refusal" + nonce, hashlib.sha256).digest()
+
     def _open_hello(self, mac: bytes, payload: bytes) -> Hello | Reject:
         if self.peer_hello is not None:
             raise AuthError("a second hello in one session (replayed?)")
+        if hmac.compare_digest(mac, _mac(self._refusal_key(self.nonce), 0, payload)):
+            return self._open_refusal(payload)
         if not hmac.compare_digest(mac, _mac(self._secret, 0, payload)):
-            raise AuthError("bad hello signature: the peer has a different shared secret")
+            raise AuthError(_unsigned(payload))
         message = decode(payload)
         if isinstance(message, Reject):
-            return message
+            raise AuthError(
+                "a refusal not signed for this session: replayed from another, or sent "
+                "before the peer had our hello"
+            )
         if not isinstance(message, Hello):
             raise ProtocolError(f"expected a hello, got {type(message).__name__}")
         if message.nonce == self.nonce:
             raise AuthError("the peer's hello carries our own nonce (reflected)")
         self.peer_hello = message
         self._derive_keys()
+        return message
+
+    @staticmethod
+    def _open_refusal(payload: bytes) -> Reject:
+        message = decode(payload)
+        if not isinstance(message, Reject):
+            raise ProtocolError(f"expected a refusal, got {type(message).__name__}")
         return message
 
     def _derive_keys(self) -> None:

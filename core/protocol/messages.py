@@ -20,7 +20,9 @@ from kvpush.layout import KVLayout
 # 3: Writing, so a consumer calls into NIXL often only while bytes may be moving.
 # 4: the "orphaned" failure reason; layouts move out of Hello into AgentMetadata,
 #    so nothing about our memory is sent before the peer proved itself.
-PROTOCOL_VERSION = 4
+# 5: a Reject before the session's keys is signed for the peer's nonce, so a
+#    recorded one refuses no other session.
+PROTOCOL_VERSION = 5
 MODES = ("push", "pull")
 MAX_BLOCKS = 1 << 20
 MAX_PARTS = 1024  # consumer ranks one producer rank may serve a transfer to
@@ -96,7 +98,8 @@ class AgentMetadata(msgspec.Struct, tag="agent_metadata", frozen=True):
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
-    """The handshake failed; `reason` says why in words."""
+    """The handshake failed; `reason` says why in words. Before the session's keys
+    exist it is signed for the peer's nonce (kvpush.protocol.auth)."""
 
     reason: str
 
