@@ -8,6 +8,11 @@ turns each transfer's end into what vLLM's contract asks of a worker: the reques
 finished sending (a prefill's blocks may be reused: the producer let go, and the
 engine finished the request too), finished receiving, and failed receiving. Plain
 values in and out, like the ledger.
+
+A progressive transfer the producer let go between chunks (decode cancelled) is
+still named by each later step's plan until its request's last step: it is not
+held again, so the maps keep only what the producer still holds, or what waits for
+the engine to finish its request.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from collections.abc import Iterable
 
 class Outcomes:
     def __init__(self) -> None:
-        self._sender_of: dict[str, str] = {}  # transfer id -> prefill request id
+        self._sender_of: dict[str, str] = {}  # transfer id -> prefill request id, held
+        self._sent_by: dict[str, str] = {}  # the same, request id -> transfer id
         self._receiver_of: dict[str, str] = {}  # transfer id -> decode request id
-        self._released: set[str] = set()  # prefill requests the producer let go
-        self._finished: set[str] = set()  # prefill requests the engine finished
+        # Prefill requests the producer let go -> their transfer, until the engine
+        # finished them too (later plans may still name the transfer until then).
+        self._released: dict[str, str] = {}
+        self._finished: set[str] = set()  # held or released requests the engine finished
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
 
@@ -30,7 +38,10 @@ class Outcomes:
         self._receiver_of[transfer_id] = request_id
 
     def sending(self, request_id: str, transfer_id: str) -> None:
+        if self._released.get(request_id) == transfer_id:
+            return  # let go between chunks: the producer ignores the rest of it
         self._sender_of[transfer_id] = request_id
+        self._sent_by[request_id] = transfer_id
 
     def rejected(self, request_id: str) -> None:
         """A decode leg that fails at once: its load is reported failed."""
@@ -47,7 +58,9 @@ class Outcomes:
         """The producer released a transfer's blocks: the request they belong to."""
         request_id = self._sender_of.pop(transfer_id, None)
         if request_id is not None:
-            self._released.add(request_id)
+            if self._sent_by.get(request_id) == transfer_id:
+                del self._sent_by[request_id]
+            self._released[request_id] = transfer_id
         return request_id
 
     def received(self, transfer_id: str, ok: bool) -> str | None:
@@ -63,14 +76,16 @@ class Outcomes:
 
     def engine_finished(self, request_ids: Iterable[str]) -> None:
         """The engine finished these requests; only prefill legs we hold matter."""
-        senders = set(self._sender_of.values()) | self._released
-        self._finished |= set(request_ids) & senders
+        for request_id in request_ids:
+            if request_id in self._sent_by or request_id in self._released:
+                self._finished.add(request_id)
 
     def take(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
         A prefill request's blocks go back only once the engine has finished it, too."""
-        sending = self._released & self._finished
-        self._released -= sending
+        sending = {r for r in self._finished if r in self._released}
+        for request_id in sending:
+            del self._released[request_id]
         self._finished -= sending
         recving, failed = self._recv_done, self._recv_failed
         self._recv_done, self._recv_failed = set(), set()
