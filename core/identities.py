@@ -62,6 +62,9 @@ class InstanceIdentity(msgspec.Struct, frozen=True, kw_only=True):
     kv_states: int = 0  # of them, recurrent-state groups (kvpush.vllm.groups)
     dp_rank: int = 0
     data_parallel: bool = False
+    # Whether its engine can take a sampling seed the client did not send: its
+    # generators rewind (kvpush.router.first_token).
+    seeds_rewind: bool = False
     ranks: list[RankIdentity] = []
     kvpush: bool = True
 
@@ -160,6 +163,7 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
         "remote_kv_states": identity.kv_states,
         "remote_dp_rank": identity.dp_rank,
         "remote_data_parallel": identity.data_parallel,
+        "remote_seeds_rewind": identity.seeds_rewind,
     }
 
 
@@ -214,6 +218,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> InstanceIdentity | No
         "kv_states": params.get("remote_kv_states", 0),
         "dp_rank": params.get("remote_dp_rank", 0),
         "data_parallel": params.get("remote_data_parallel", False),
+        "seeds_rewind": params.get("remote_seeds_rewind", False),
     }
     try:
         return parse_identity(named)

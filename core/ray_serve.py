@@ -33,7 +33,7 @@ import ray
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
 
 from kvpush.ports import free_port
-from kvpush.ray_stream import PREFILL_ANSWER, KVPushDecodeServer, seed_of, serves
+from kvpush.ray_stream import PREFILL_ANSWER, KVPushDecodeServer, as_body, seed_of, serves
 from kvpush.router import first_token
 from kvpush.router.legs import prefill_leg
 from kvpush.vllm.config import ENV_SECRET, new_secret
@@ -168,10 +168,14 @@ class KVPushBackend(BaseConnectorBackend):
         return self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
 
 
-def _seed(request: Any, transfer_id: str) -> int:
-    """The client's seed, or the one both legs take from the transfer id."""
+def _seed(request: Any, transfer_id: str) -> int | None:
+    """The client's seed; for a sampled request without one (served only where the
+    engine's generators rewind: kvpush.ray_stream.serves), the one both legs take
+    from the transfer id."""
     seed = getattr(request, "seed", None)
-    return seed if seed is not None else seed_of(transfer_id)
+    if seed is not None or not first_token.needs_seed(as_body(request)):
+        return seed
+    return seed_of(transfer_id)
 
 
 def _transfer_id(request: Any) -> str:

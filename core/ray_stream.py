@@ -30,13 +30,16 @@ from typing import Any
 
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
 )
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer
 
 from kvpush.router import first_token, sse
+from kvpush.router.first_token import Departed
 from kvpush.router.legs import openai_error
+from kvpush.vllm.compat import seeds_rewind
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,9 @@ def as_body(request: Any) -> dict[str, Any]:
 
 
 def serves(request: Any) -> bool:
-    """Whether a request's first token can come from its prefill leg."""
-    return first_token.serves(as_body(request))
+    """Whether a request's first token can come from its prefill leg (decided in the
+    decode replica, which prepares both legs, on its own engine's platform)."""
+    return first_token.serves(as_body(request), seeds_rewind=seeds_rewind())
 
 
 class _FirstTokenEngine(LLMServer):
@@ -103,8 +107,9 @@ class _FirstTokenEngine(LLMServer):
                 answered = answered.model_dump()
             opening = first_token.opening(answered, body, method == "chat")
             if opening is None:  # not an answer this path can stand on: decode's stream
+                asked = first_token.as_asked(body)
                 async for chunk in local:
-                    yield chunk
+                    yield _rewritten(chunk, asked)
                 return
             yield [_encode(event) for event in opening.events]
             usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -116,8 +121,8 @@ class _FirstTokenEngine(LLMServer):
                 async for out in self._edited(local, edit, body):
                     yield out
             else:  # decode computes one token nobody reads; its leg still claims the KV
-                async for _ in local:
-                    pass
+                _drain(local)
+                local = None
             closing = [_encode(edit.usage())] if edit.usage_asked else []
             yield [*closing, DONE]
         finally:
@@ -131,15 +136,16 @@ class _FirstTokenEngine(LLMServer):
         """Decode's events through `edit`; the choice continued here instead where its
         first token diverged or decode's leg failed."""
         why = None
-        async for event in _events(local):
-            if "error" in event:
-                why = json.dumps(event["error"])[:300]
-                break
-            out, diverged = edit.edit(event)
-            if out is not None:
-                yield [_encode(out)]
-            if diverged and not edit.unfinished():
-                break  # nothing more of decode's own stream reaches the client
+        async with contextlib.aclosing(_events(local)) as decoded:
+            async for event in decoded:
+                if "error" in event:
+                    why = json.dumps(event["error"])[:300]
+                    break
+                out, diverged = edit.edit(event)
+                if out is not None:
+                    yield [_encode(out)]
+                if diverged and not edit.unfinished():
+                    break  # closed on leaving: decode stops generating what nobody reads
         if why is not None:
             log.warning("kvpush: decode's leg failed mid-stream (%s); continuing here", why)
         for index in [i for i, c in edit.choices.items() if c.elsewhere] + edit.unfinished():
@@ -154,20 +160,35 @@ class _FirstTokenEngine(LLMServer):
         state = edit.choices[index]
         if state.ended:
             return
-        leg = first_token.continuation_leg(body, state.first.prompt, state.had, edit.chat)
-        base = body.get("request_id") or "kvpush"
-        request = CompletionRequest.model_validate(
-            {**leg, "request_id": f"{base}-continued-{index}-{len(state.had)}"}
-        )
-        stream = await LLMServer.completions(self, request, None)
-        async for event in _events(stream):
-            if "error" in event:
-                failure = f"choice {index} could not be continued: {json.dumps(event['error'])}"
-                yield [_encode(openai_error(failure[:500], "upstream_error", 502))]
-                return
-            out = edit.continued(index, event)
-            if out is not None:
-                yield [_encode(out)]
+        try:
+            text_of = first_token.text_in_context(
+                state.first.prompt, lambda ids: self._detokenize(body, ids)
+            )
+            had = await edit.resume(index, text_of)
+            leg = first_token.continuation_leg(body, state.first.prompt, had, edit.chat)
+            base = body.get("request_id") or "kvpush"
+            request = CompletionRequest.model_validate(
+                {**leg, "request_id": f"{base}-continued-{index}-{len(had)}"}
+            )
+            stream = await LLMServer.completions(self, request, None)
+            async for event in _events(stream):
+                if "error" in event:
+                    raise Departed(json.dumps(event["error"]))
+                out = edit.continued(index, event)
+                if out is not None:
+                    yield [_encode(out)]
+        except Departed as exc:
+            failure = f"choice {index} could not be continued: {exc}"
+            yield [_encode(openai_error(failure[:500], "upstream_error", 502))]
+
+    async def _detokenize(self, body: dict[str, Any], ids: list[int]) -> str:
+        """The text of token ids, as this replica's tokenizer reads them."""
+        request = DetokenizeRequest(model=body.get("model"), tokens=ids)
+        async for answer in await LLMServer.detokenize(self, request):
+            if isinstance(answer, ErrorResponse):
+                raise Departed(f"detokenizing failed: {answer.model_dump_json()[:300]}")
+            return answer.prompt
+        raise Departed("detokenizing answered nothing")
 
 
 class KVPushDecodeServer(PDDecodeServer, _FirstTokenEngine):
@@ -206,6 +227,35 @@ class KVPushDecodeServer(PDDecodeServer, _FirstTokenEngine):
                 await prefill
             except Exception as exc:  # the client has its answer or an error already
                 log.error("kvpush: the prefill leg failed: %s", exc)
+
+
+_DRAINING: set[asyncio.Task] = set()  # referenced until done, or the loop may drop them
+
+
+def _drain(local: Any) -> None:
+    """Every choice ended at its first token: the client's stream ends now, and
+    decode's leg is read to its end behind it (an abort before decode claimed the KV
+    would leave prefill holding it for its lease)."""
+
+    async def drain() -> None:
+        with contextlib.suppress(Exception):
+            async for _ in local:
+                pass
+
+    task = asyncio.ensure_future(drain())
+    _DRAINING.add(task)
+    task.add_done_callback(_DRAINING.discard)
+
+
+def _rewritten(chunk: Any, edit: Any) -> Any:
+    """A batch of Ray's `data: ...` strings with each JSON event through `edit`."""
+    if not isinstance(chunk, list):
+        return chunk
+    out = []
+    for item in chunk:
+        event = sse.data(item) if isinstance(item, str) else None
+        out.append(_encode(edit(event)) if isinstance(event, dict) else item)
+    return out
 
 
 async def _answer(prefill_resp: Any) -> Any:

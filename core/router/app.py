@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ from kvpush.router.request import (
     error_event,
     upstream_message,
 )
-from kvpush.router.sse import first_word, whole_json
+from kvpush.router.sse import Rewriter, first_word, whole_json
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ class Router(FirstTokenStreams):
         transfer_id = new_transfer_id()
         trace: Trace = request[TRACE]
         trace.transfer_id = transfer_id
-        early = self.config.first_token and first_token.serves(body)
+        early = self._first_token_here(body, prefill, decode)
         if early:
             body, trace.seed = first_token.with_seed(body)
         # Only push needs the identity up front; pull learns it from the prefill answer.
@@ -368,6 +369,17 @@ class Router(FirstTokenStreams):
         prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, identity, task))
         return response
 
+    def _first_token_here(self, body: dict[str, Any], prefill: Instance, decode: Instance) -> bool:
+        """Whether this request's first token comes from its prefill leg; a streamed
+        one that does not is counted by why."""
+        if not self.config.first_token:
+            return False
+        rewinds = [i.seeds_rewind for i in (prefill.any_identity(), decode.any_identity()) if i]
+        why = first_token.not_served(body, seeds_rewind=bool(rewinds) and all(rewinds))
+        if why is not None and why != "not_streamed":
+            self.metrics.inc("first_token_from_decode", why=why)
+        return why is None
+
     def _decode_relay(
         self,
         early: bool,
@@ -425,9 +437,10 @@ class Router(FirstTokenStreams):
         leg: dict[str, Any],
         headers: dict[str, str],
         posted: asyncio.Future | None = None,
+        rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> web.StreamResponse:
         """Send the decode leg (unless `posted` has) and pass its answer through,
-        streamed if it streams."""
+        streamed if it streams; each streamed event through `rewrite` if given."""
         trace: Trace = request[TRACE]
         trace.mark("decode_sent")
         stream: web.StreamResponse | None = None
@@ -474,9 +487,12 @@ class Router(FirstTokenStreams):
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
                 request[ANSWERED] = True
-                await stream.write(head)
+                rewriter = Rewriter(rewrite) if rewrite is not None else None
+                await stream.write(rewriter.feed(head) if rewriter else head)
                 async for chunk in chunks:
-                    await stream.write(chunk)
+                    await stream.write(rewriter.feed(chunk) if rewriter else chunk)
+                if rewriter is not None:
+                    await stream.write(rewriter.rest())
                 await stream.write_eof()
                 self.metrics.inc("requests", endpoint=endpoint, status="200")
                 return stream

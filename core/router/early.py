@@ -10,6 +10,7 @@ and failure handling as its own.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router import first_token
+from kvpush.router.first_token import Departed
 from kvpush.router.instances import Instance
 from kvpush.router.legs import openai_error
 from kvpush.router.request import (
@@ -67,7 +69,9 @@ class FirstTokenStreams:
             opening = first_token.opening(answer, body, chat)
             if opening is None:
                 self.metrics.inc("first_token_unusable")
-                return await self._relay(request, decode, endpoint, leg, headers, posted)
+                return await self._relay(
+                    request, decode, endpoint, leg, headers, posted, first_token.as_asked(body)
+                )
             if posted.done() and not posted.exception() and posted.result().status >= 400:
                 raise await self._refused(decode, leg, posted.result())  # still retryable
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -137,7 +141,8 @@ class FirstTokenStreams:
                     if out is not None:
                         await stream.write(encode(out))
                     if diverged and not edit.unfinished():
-                        break  # nothing more of decode's leg reaches the client
+                        response.close()  # so decode stops generating what nobody reads
+                        break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
@@ -181,8 +186,12 @@ class FirstTokenStreams:
         """One choice, continued on `decode` from its prompt plus the tokens the client
         has. If that fails too, the client is told in the stream."""
         state = edit.choices[index]
-        leg = first_token.continuation_leg(body, state.first.prompt, state.had, edit.chat)
         try:
+            text_of = first_token.text_in_context(
+                state.first.prompt, lambda ids: self._detokenize(decode, body, ids, headers)
+            )
+            had = await edit.resume(index, text_of)
+            leg = first_token.continuation_leg(body, state.first.prompt, had, edit.chat)
             async with self._http().post(
                 decode.url + "/v1/completions", json=leg, headers=headers
             ) as response:
@@ -193,12 +202,32 @@ class FirstTokenStreams:
                     out = edit.continued(index, event)
                     if out is not None:
                         await stream.write(encode(out))
-        except (aiohttp.ClientError, asyncio.TimeoutError, LegFailed) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, LegFailed, Departed) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
             message = exc.message if isinstance(exc, LegFailed) else describe(exc)
             failure = f"choice {index} could not be continued on {decode.url}: {message}"
             await stream.write(encode(openai_error(failure, "upstream_error", 502)))
+
+    async def _detokenize(
+        self: Router,
+        decode: Instance,
+        body: dict[str, Any],
+        ids: list[int],
+        headers: dict[str, str],
+    ) -> str:
+        """The text of token ids, as `decode`'s tokenizer reads them."""
+        request = {"model": body.get("model"), "tokens": ids}
+        async with self._http().post(
+            decode.url + "/detokenize", json=request, headers=headers
+        ) as response:
+            text = (await response.read()).decode(errors="replace")
+            if response.status >= 400:
+                raise LegFailed(response.status, upstream_message(decode, text))
+            try:
+                return json.loads(text)["prompt"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise LegFailed(502, f"{decode.url}/detokenize answered {text[:200]!r}") from exc
 
     def _drain(self: Router, posted: asyncio.Future) -> None:
         """Every choice ended at its first token, so the client needs nothing from

@@ -12,18 +12,33 @@ client already holds prefill's token, so such a choice is not taken from decode'
 stream: it continues from a request of its own, prompt plus that token (decode's
 prefix cache holds the prompt's KV by then).
 
+Prefill's token is streamed only as vLLM would have streamed it after one token:
+text that may begin a stop string is held back (`released`), and a choice that
+continues elsewhere resumes at the first text the client does not have
+(`resume_point`).
+
 Everything here is a function of JSON: what each leg is sent, the client's opening
 events, and `DecodeEdit`, which takes decode's events and says what the client gets.
 The router (app.py) does the I/O. What it does not serve this way is relayed as
-before: `n` > 1 (see `serves`), beam search, `echo`, prompt logprobs, tools (a
-tool parser would read the first token differently streamed than whole), structured
-output (a continuation would start its grammar over), and an answer not shaped as
-expected.
+before, and `not_served` names why: `n` > 1, beam search, `echo`, prompt logprobs,
+tools (a tool parser would read the first token differently streamed than whole),
+structured output (a continuation would start its grammar over), media (a
+continuation of token ids would lose them), unseeded sampling where an engine cannot
+take a seed it was not sent (below), and an answer not shaped as expected.
+
+Both legs must sample alike, so a sampled request needs one seed on both. A seed the
+client did not send is one the router would mint, and vLLM gives a seeded request a
+generator of its own, which it rewinds in every step that computes a chunk of that
+request's prompt. A CPU generator cannot rewind: the engine core raises and dies,
+failing every request in flight. So a minted seed goes only to instances whose
+identity says their generators rewind (`seeds_rewind`: vLLM on CUDA); elsewhere an
+unseeded sampled stream gets decode's own first token.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,26 +54,75 @@ GRAMMARS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice"
             "guided_grammar")  # fmt: skip
 
 
-def serves(body: dict[str, Any]) -> bool:
-    """Whether a request's first token can come from its prefill leg."""
+def not_served(body: dict[str, Any], seeds_rewind: bool = False) -> str | None:
+    """Why a request's first token cannot come from its prefill leg (a metric's
+    label), or None where it can. `seeds_rewind`: both engines can take a seed the
+    client did not send (see the module's docstring)."""
     if not body.get("stream"):
-        return False
-    if any(body.get(key) for key in NOT_SERVED + GRAMMARS):
-        return False
+        return "not_streamed"
+    for key in NOT_SERVED:
+        if body.get(key):
+            return key
     response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        return False
+    text_only = not isinstance(response_format, dict) or (
+        response_format.get("type", "text") == "text"
+    )
+    if any(body.get(key) for key in GRAMMARS) or not text_only:
+        return "structured_output"
     # n > 1 makes several engine requests of one prompt: on decode, the siblings of
     # the first read its KV from the prefix cache; a prefill leg of n would compute
     # KV for each, which no decode request claims.
-    return body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return "n"
+    if _has_media(body):
+        return "media"
+    if needs_seed(body) and not seeds_rewind:
+        return "unseeded_sampling"
+    return None
+
+
+def serves(body: dict[str, Any], seeds_rewind: bool = False) -> bool:
+    """Whether a request's first token can come from its prefill leg."""
+    return not_served(body, seeds_rewind) is None
+
+
+def needs_seed(body: dict[str, Any]) -> bool:
+    """Whether both legs would sample alike only with a seed minted for them: a
+    sampled request (vLLM's default temperature is 1) that names none."""
+    return body.get("seed") is None and not greedy(body)
+
+
+def greedy(body: dict[str, Any]) -> bool:
+    temperature = body.get("temperature")
+    return isinstance(temperature, (int, float)) and temperature < _GREEDY_BELOW
+
+
+_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature
+MEDIA = ("image_url", "input_audio", "audio_url", "video_url", "image_embeds",
+         "audio_embeds", "image_pil")  # fmt: skip
+
+
+def _has_media(body: dict[str, Any]) -> bool:
+    """Chat content parts other than text, or a completions prompt given as
+    embeddings: what a continuation of token ids would drop."""
+    if body.get("prompt_embeds") is not None or body.get("multi_modal_data"):
+        return True
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type", "text") not in ("text", "input_text")
+            for part in content
+        ):
+            return True
+    return False
 
 
 def with_seed(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """The body both legs are built from: the client's seed, or one minted here so
-    that both legs sample alike (returned, for the trace). A client's null seed is
-    no seed."""
-    if body.get("seed") is not None:
+    """The body both legs are built from: the client's seed, or for a sampled request
+    without one a seed minted here so that both legs sample alike (returned, for the
+    trace). A client's null seed is no seed. Only for engines whose generators
+    rewind (`not_served`)."""
+    if not needs_seed(body):
         return body, None
     seed = secrets.randbelow(2**31)
     return {**body, "seed": seed}, seed
@@ -83,14 +147,28 @@ def one_token_limit(body: dict[str, Any]) -> bool:
     return limit == 1
 
 
+def released(text: str, body: dict[str, Any], finished: bool) -> str:
+    """What vLLM streams of an answer's `text` so far: a stream that may still end in
+    a stop string (and leaves it out) holds back its last characters, as many as the
+    longest stop string has less one; a finished one nothing."""
+    stops = body.get("stop")
+    stops = [stops] if isinstance(stops, str) else [s for s in stops or [] if isinstance(s, str)]
+    if finished or not stops or body.get("include_stop_str_in_output"):
+        return text
+    held = max(len(s) for s in stops) - 1
+    return text[: max(len(text) - held, 0)]
+
+
 @dataclass
 class First:
-    """One choice's first token as prefill sampled it."""
+    """One choice's first token as prefill sampled it, and the part of its text that
+    a plain instance would have streamed by then (`shown`)."""
 
     token: int
     text: str
     prompt: list[int]
     finished: bool  # the choice ends at its first token (a stop, or max_tokens 1)
+    shown: str = ""
 
 
 @dataclass
@@ -127,24 +205,25 @@ def opening(answer: dict[str, Any], body: dict[str, Any], chat: bool) -> Opening
         finish = choice.get("finish_reason") if first.finished else None
         stop = choice.get("stop_reason") if first.finished else None
         ids = [first.token] if wants_ids else None
+        text = first.shown
         if chat:
             role = {"index": index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}  # fmt: skip
             prompt_ids = first.prompt if wants_ids else None
             roles.append({**head, "choices": [role], "prompt_token_ids": prompt_ids,
                           "prompt_text": None})  # fmt: skip
-            delta = {"index": index, "delta": {"content": first.text},
+            delta = {"index": index, "delta": {"content": text},
                      "logprobs": choice.get("logprobs"), "finish_reason": finish,
                      "token_ids": ids}  # fmt: skip
             if first.finished:
                 delta["stop_reason"] = stop
             tokens.append({**head, "choices": [delta]})
         else:
-            text = {"index": index, "text": first.text, "logprobs": choice.get("logprobs"),
-                    "finish_reason": finish, "stop_reason": stop,
-                    "prompt_token_ids": first.prompt if wants_ids else None,
-                    "token_ids": ids}  # fmt: skip
-            tokens.append({**head, "choices": [text]})
+            tokens.append({**head, "choices": [{
+                "index": index, "text": text, "logprobs": choice.get("logprobs"),
+                "finish_reason": finish, "stop_reason": stop,
+                "prompt_token_ids": first.prompt if wants_ids else None, "token_ids": ids,
+            }]})  # fmt: skip
     usage = answer.get("usage") or {}
     prompt_tokens = usage.get("prompt_tokens")
     if not isinstance(prompt_tokens, int):
@@ -169,13 +248,38 @@ def _first(choice: Any, answer: dict[str, Any], body: dict[str, Any], chat: bool
     if not isinstance(prompt, list):
         return None
     finished = choice.get("finish_reason") == "stop" or one_token_limit(body)
-    return First(ids[0], text, prompt, finished)
+    return First(ids[0], text, prompt, finished, released(text, body, finished))
 
 
 def decode_leg(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request as decode gets it here: token ids on, to check against
     prefill's and to count (the client sees them only if it asked)."""
     return {**body, "return_token_ids": True}
+
+
+def as_asked(body: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Decode's events without the token ids its leg asked for and the client did
+    not: vLLM then sends them as null."""
+
+    def edit(event: dict[str, Any]) -> dict[str, Any]:
+        if body.get("return_token_ids"):
+            return event
+        event = {**event}
+        if event.get("prompt_token_ids") is not None:
+            event["prompt_token_ids"] = None
+        choices = event.get("choices")
+        if isinstance(choices, list):
+            event["choices"] = [_unasked(c) for c in choices]
+        return event
+
+    return edit
+
+
+def _unasked(choice: Any) -> Any:
+    if not isinstance(choice, dict):
+        return choice
+    return {k: None if k in ("token_ids", "prompt_token_ids") and v is not None else v
+            for k, v in choice.items()}  # fmt: skip
 
 
 def continuation_leg(
@@ -208,18 +312,22 @@ def continuation_leg(
 @dataclass
 class _Choice:
     first: First
-    owed: str  # prefill's text that decode has not yet streamed itself
-    had: list[int]  # the token ids the client has
+    owed: str  # text the client has that the stream it now reads has not yet repeated
+    had: list[int]  # the token ids generated for the client, held-back text's included
+    sent: str  # the text the client has
+    given: int = 1  # token ids (and logprobs) the client has been given
     checked: bool = False  # decode's first token seen and equal
     ended: bool = False  # decode said it finished
     elsewhere: bool = False  # continued by a request of its own
+    skip: int = 0  # a continuation's first tokens that the client was given already
 
 
 @dataclass
 class DecodeEdit:
     """Decode's stream as the client gets it after the opening. `edit` takes one event
     and returns the event to send (None: nothing) and the choices that diverged with
-    it; `usage` rewrites the closing usage with the tokens the client really got."""
+    it; `resume` and `continued` carry a choice on in a request of its own; `usage`
+    rewrites the closing usage with the tokens the client really got."""
 
     opening: Opening
     chat: bool
@@ -230,7 +338,7 @@ class DecodeEdit:
 
     def __post_init__(self) -> None:
         self.choices = {
-            i: _Choice(f, f.text, [f.token], ended=f.finished)
+            i: _Choice(f, f.shown, [f.token], f.shown, ended=f.finished)
             for i, f in self.opening.firsts.items()
         }
         first = self.opening.events[0]
@@ -268,15 +376,10 @@ class DecodeEdit:
                 return _DIVERGED
             state.checked = True
             ids = ids[1:]
-            logprobs = _drop_first(logprobs, self.chat)
-        text = self._text(choice)
-        if state.owed:
-            if text.startswith(state.owed):
-                text, state.owed = text[len(state.owed) :], ""
-            elif state.owed.startswith(text):
-                text, state.owed = "", state.owed[len(text) :]
-            else:
-                return _DIVERGED
+            logprobs = _drop(logprobs, self.chat, 1)
+        text = _unowed(state, self._text(choice))
+        if text is _DIVERGED:
+            return _DIVERGED
         if self.chat:
             delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "role"}
             delta["content"] = text
@@ -290,6 +393,8 @@ class DecodeEdit:
         choice["logprobs"] = logprobs
         choice["token_ids"] = ids if self.wants_ids else None
         state.had += ids
+        state.given += len(ids)
+        state.sent += text
         state.ended = bool(choice.get("finish_reason"))
         if not (text or ids or said or state.ended):
             return None
@@ -305,17 +410,58 @@ class DecodeEdit:
         broke off leaves to continue."""
         return [i for i, c in self.choices.items() if not (c.ended or c.elsewhere)]
 
-    def continued(self, index: int, event: dict[str, Any]) -> dict[str, Any] | None:
-        """A continuation's completions event as choice `index` of the client's
-        stream (what it counts toward usage noted)."""
+    async def resume(self, index: int, text_of: TextOf) -> list[int]:
+        """Choice `index`, to be continued by a request of its own: the tokens that
+        request starts after. Those are the longest start of what was generated whose
+        text the client has whole, so that text a stream held back (a possible stop
+        string, a character split over tokens) is generated again, not skipped."""
         state = self.choices[index]
         state.elsewhere = True
+        kept, state.owed = await resume_point(state.had, state.sent, text_of)
+        state.had = state.had[:kept]
+        state.skip = state.given - kept
+        return state.had
+
+    def continued(self, index: int, event: dict[str, Any]) -> dict[str, Any] | None:
+        """A continuation's completions event as choice `index` of the client's
+        stream (what it counts toward usage noted). Raises Departed where its text
+        leaves what the client has already."""
+        state = self.choices[index]
+        ids = _ids(event)
+        event = self._unrepeated(state, event)
         out = as_client_event(event, index, self.chat, self.head, self.wants_ids)
-        if out is not None:
-            choice = out["choices"][0]
-            state.had += _ids(event)
-            state.ended = state.ended or bool(choice.get("finish_reason"))
+        if out is None:
+            return None
+        choice = out["choices"][0]
+        text = _unowed(state, self._text(choice))
+        if text is _DIVERGED:
+            raise Departed(f"choice {index}'s continuation departed from the text the "
+                           "client has")  # fmt: skip
+        if self.chat:
+            choice["delta"] = {**choice["delta"], "content": text}
+        else:
+            choice["text"] = text
+        state.had += ids
+        state.given += len(_ids(event))
+        state.sent += text
+        state.ended = state.ended or bool(choice.get("finish_reason"))
         return out
+
+    def _unrepeated(self, state: _Choice, event: dict[str, Any]) -> dict[str, Any]:
+        """A continuation's event without the token ids and logprobs of tokens the
+        client was given already (generated again, their text held back before)."""
+        if not state.skip:
+            return event
+        choices = event.get("choices")
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+            return event
+        choice = choices[0]
+        ids = list(choice.get("token_ids") or [])
+        drop = min(state.skip, len(ids))
+        state.skip -= drop
+        choice = {**choice, "token_ids": ids[drop:],
+                  "logprobs": _drop(choice.get("logprobs"), False, drop)}  # fmt: skip
+        return {**event, "choices": [choice, *choices[1:]]}
 
     def usage(self) -> dict[str, Any]:
         """The closing usage event: decode's, or one made here if decode sent none,
@@ -336,13 +482,68 @@ class DecodeEdit:
 _DIVERGED = object()
 
 
-def _drop_first(logprobs: Any, chat: bool) -> Any:
-    """Logprobs without their first token's entry."""
-    if not isinstance(logprobs, dict):
+class Departed(Exception):
+    """A continuation generated text other than what the client already has."""
+
+
+def _unowed(state: _Choice, text: str) -> Any:
+    """`text` less what the client has already (`state.owed`), or _DIVERGED where
+    the two disagree."""
+    if not state.owed:
+        return text
+    if text.startswith(state.owed):
+        text, state.owed = text[len(state.owed) :], ""
+        return text
+    if state.owed.startswith(text):
+        state.owed = state.owed[len(text) :]
+        return ""
+    return _DIVERGED
+
+
+TextOf = Callable[[list[int]], Awaitable[str]]
+# Tokens looked at, from the last back, for where the client's text ends: text held
+# back is at most the longest stop string or one character, a few tokens at most.
+RESUME_SCAN = 64
+# Prompt tokens detokenized before a continuation's, so that a tokenizer that drops
+# a leading space (SentencePiece) reads them as the stream did, mid-sequence.
+CONTEXT = 4
+
+
+async def resume_point(had: list[int], sent: str, text_of: TextOf) -> tuple[int, str]:
+    """The longest start of `had` whose text is a start of `sent` (the client's
+    text), and the text the client has past it. Past RESUME_SCAN tokens it starts
+    over from none: then the continuation must generate `sent` again."""
+    for kept in range(len(had), max(len(had) - RESUME_SCAN, 0), -1):
+        text = await text_of(had[:kept])
+        if sent.startswith(text):
+            return kept, sent[len(text) :]
+    return 0, sent
+
+
+def text_in_context(prompt: list[int], detokenize: TextOf) -> TextOf:
+    """The text of generated ids as a stream after `prompt` shows it, from a
+    detokenizer of whole sequences."""
+    context = prompt[-CONTEXT:]
+    before: list[str] = []
+
+    async def text_of(ids: list[int]) -> str:
+        if not ids:
+            return ""
+        if not before:
+            before.append(await detokenize(context))
+        whole = await detokenize([*context, *ids])
+        return whole[len(before[0]) :] if whole.startswith(before[0]) else whole
+
+    return text_of
+
+
+def _drop(logprobs: Any, chat: bool, count: int) -> Any:
+    """Logprobs without their first `count` tokens' entries."""
+    if not isinstance(logprobs, dict) or not count:
         return logprobs
     if chat:
-        return {**logprobs, "content": (logprobs.get("content") or [])[1:]}
-    return {k: v[1:] if isinstance(v, list) else v for k, v in logprobs.items()}
+        return {**logprobs, "content": (logprobs.get("content") or [])[count:]}
+    return {k: v[count:] if isinstance(v, list) else v for k, v in logprobs.items()}
 
 
 def _ids(event: dict[str, Any]) -> list[int]:

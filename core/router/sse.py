@@ -4,6 +4,7 @@ last."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -45,6 +46,34 @@ async def events(content: aiohttp.StreamReader) -> Any:
                     return
                 if event is not None:
                     yield event
+
+
+class Rewriter:
+    """A stream's bytes with each JSON event passed through `edit`: whole events go
+    out as they complete, the rest waits for the next chunk."""
+
+    def __init__(self, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        self.edit = edit
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.pending += chunk
+        *blocks, self.pending = self.pending.split(b"\n\n")
+        return b"".join(self._block(block) for block in blocks)
+
+    def rest(self) -> bytes:
+        """What never completed an event, as it came."""
+        rest, self.pending = self.pending, b""
+        return rest
+
+    def _block(self, block: bytes) -> bytes:
+        lines = []
+        for line in block.splitlines():
+            event = data(line)
+            if isinstance(event, dict):
+                line = encode(self.edit(event)).rstrip(b"\n")
+            lines.append(line)
+        return b"\n".join(lines) + b"\n\n"
 
 
 def whole_json(payload: bytes) -> bool:

@@ -52,3 +52,13 @@ def warn_known_defects(vllm_config: Any) -> None:
     warning = mla_cpu_rope_warning(vllm_config, platform, version)
     if warning:
         log.warning("kvpush: %s", warning)
+
+
+def seeds_rewind() -> bool:
+    """Whether this process's engine can take a sampling seed its client did not
+    send. vLLM rewinds a seeded request's generator in every step that computes a
+    chunk of its prompt: a CUDA (or ROCm) generator can; a CPU one raises, and the
+    engine core dies with every request in flight (kvpush.router.first_token)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cuda"

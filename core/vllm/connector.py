@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.identities import PROMPT_CUT
 from kvpush.vllm import hooks
-from kvpush.vllm.compat import warn_known_defects
+from kvpush.vllm.compat import seeds_rewind, warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
 from kvpush.vllm.groups import (
     leave_last_token,
@@ -116,6 +116,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 states=self._states,
             )
             self._scheduler.me.kv_states = len(self._states)
+            self._scheduler.me.seeds_rewind = seeds_rewind()
             # vLLM's Scheduler is being built, in its engine: both are on the stack.
             synchronous = vllm_config.scheduler_config.async_scheduling is False
             self._scheduler.landings.attach(parallel.pipeline_parallel_size, synchronous)

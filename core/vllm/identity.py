@@ -94,6 +94,7 @@ class IdentityService:
         self.config = config
         self.kv_groups = kv_groups
         self.kv_states = 0  # of them, recurrent-state groups: the connector says how many
+        self.seeds_rewind = False  # its generators rewind: the connector says so
         self.engine_id = engine_id
         self.block_size = block_size
         self.world = world
@@ -137,6 +138,7 @@ class IdentityService:
             kv_states=self.kv_states,
             dp_rank=self.dp_rank,
             data_parallel=self.data_parallel,
+            seeds_rewind=self.seeds_rewind,
             addresses=[self._ranks[r].address for r in sorted(self._ranks)],
             ranks=[
                 RankIdentity(r, h.address, h.epoch, h.agent) for r, h in sorted(self._ranks.items())

@@ -21,6 +21,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import CompletionReq
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from test_ray_serve import PEER, _backend
 
+from kvpush import ray_stream
 from kvpush.ray_stream import PREFILL_ANSWER, KVPushDecodeServer, _FirstTokenEngine, seed_of
 
 PROMPT = [5, 6, 7]
@@ -43,20 +44,38 @@ class Engine:
         self.requests: list[Any] = []
         self.running = 0  # streams neither read to their end nor closed
         self.running_at_end = -1  # as the client's stream ended
+        self.running_at_continuation = -1  # as a continuation was asked for
 
     async def completions(self, server: Any, request: Any) -> Any:
         self.requests.append(request)
         script = self.decode if request.kv_transfer_params else self.continuation
+        if not request.kv_transfer_params:
+            self.running_at_continuation = self.running
 
         async def stream():
             self.running += 1
             try:
                 for batch in script:
+                    if isinstance(batch, asyncio.Event):  # decode still generating
+                        await batch.wait()
+                        continue
                     yield batch
             finally:
                 self.running -= 1
 
         return stream()
+
+    async def detokenize(self, request: Any) -> Any:
+        """Ray's detokenize: one answer, the ids' texts (TEXTS), streamed."""
+        text = "".join(TEXTS.get(i, f"<{i}>") for i in request.tokens)
+
+        async def stream():
+            yield SimpleNamespace(prompt=text)
+
+        return stream()
+
+
+TEXTS = {7: "A", 8: "B", 9: "C", 4: "X", 3: "Y"}
 
 
 class _Server(KVPushDecodeServer):
@@ -95,6 +114,7 @@ def _stream(
     both legs at once, or (`sequential`) prefill's answer carried by the decode leg."""
     # A function, so that Ray's own path (super() in its mixin) binds it too.
     monkeypatch.setattr(LLMServer, "completions", lambda s, r, raw=None: engine.completions(s, r))
+    monkeypatch.setattr(LLMServer, "detokenize", lambda s, r, raw=None: engine.detokenize(r))
     server = object.__new__(_Server)
     backend = SimpleNamespace(first_token=first_token)
     server._get_connector_backend = lambda: backend
@@ -143,7 +163,8 @@ def test_a_first_token_decode_samples_otherwise_is_continued_from_prefills(monke
     )
     events = _stream(engine, monkeypatch)
     assert _text(events) == "AXY"
-    assert engine.running_at_end == 0  # decode's own stream closed: its request aborted
+    # decode's own stream closed before the continuation started: its request aborted
+    assert engine.running_at_continuation == 0 and engine.running_at_end == 0
     decode, continuation = engine.requests
     assert continuation.prompt == [*PROMPT, 7] and continuation.max_tokens == 2
     assert continuation.request_id != decode.request_id
@@ -177,7 +198,28 @@ def test_switched_off_the_stream_is_decodes_own(monkeypatch):
     assert events[0]["id"] == "cmpl-decode" and _text(events) == "ABC"
 
 
-def test_both_legs_of_an_unseeded_stream_sample_with_one_seed_from_the_transfer_id():
+def test_an_unseeded_sampled_stream_is_decodes_own_where_seeds_cannot_rewind(monkeypatch):
+    """vLLM's CPU build: a seed minted for both legs would kill the engine, so none
+    is, and the client's first token is decode's."""
+    monkeypatch.setattr(ray_stream, "seeds_rewind", lambda: False)
+    backend = _backend("push")
+    backend.first_token = True
+    request = CompletionRequest(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
+                                temperature=1.0)  # fmt: skip
+    prefill = backend.prepare_prefill_request(request=request, peer=PEER)
+    decode = backend.prepare_decode_request(request=request, peer=PEER, prefill_response=None)
+    assert prefill.seed is None and decode.seed is None and prefill.max_tokens == 1
+    assert not prefill.return_token_ids  # the plain prefill leg: greedy, one token
+    greedy = request.model_copy(update={"temperature": 0.0})
+    assert backend.prepare_prefill_request(request=greedy, peer=PEER).return_token_ids
+    engine = Engine([[_event(7, "A"), _event(8, "B"), _event(9, "C", "length")],
+                     ["data: [DONE]\n\n"]])  # fmt: skip
+    events = _stream(engine, monkeypatch, temperature=1.0)
+    assert events[0]["id"] == "cmpl-decode" and _text(events) == "ABC"
+
+
+def test_both_legs_of_an_unseeded_stream_sample_with_one_seed_from_the_transfer_id(monkeypatch):
+    monkeypatch.setattr(ray_stream, "seeds_rewind", lambda: True)  # vLLM on CUDA
     backend = _backend("push")
     backend.first_token = True
     request = CompletionRequest(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
@@ -205,7 +247,8 @@ def test_a_sequential_hand_off_opens_with_the_prefill_answer_its_decode_leg_carr
     assert PREFILL_ANSWER not in decode.kv_transfer_params and decode.return_token_ids
 
 
-def test_a_sequential_decode_leg_carries_prefills_answer_and_its_seed():
+def test_a_sequential_decode_leg_carries_prefills_answer_and_its_seed(monkeypatch):
+    monkeypatch.setattr(ray_stream, "seeds_rewind", lambda: True)  # vLLM on CUDA
     backend = _backend("pull")
     backend.first_token = True
     request = CompletionRequest(model="tiny", prompt=PROMPT, max_tokens=20, stream=True,
@@ -219,3 +262,25 @@ def test_a_sequential_decode_leg_carries_prefills_answer_and_its_seed():
     backend.first_token = False  # Ray's own decode replica: the echo alone
     decode = backend.prepare_decode_request(request=request, peer=None, prefill_response=answer)
     assert decode.kv_transfer_params == echo and decode.seed is None
+
+
+@pytest.mark.timeout(20)
+def test_a_choice_ended_at_its_first_token_gets_done_without_waiting_for_decode(monkeypatch):
+    """max_tokens 1: prefill's token is the answer; [DONE] goes out at once while
+    decode's leg (which must still claim the KV) is read to its end behind it."""
+    generating = asyncio.Event()
+    engine = Engine([generating, [_event(7, "A", "length")], ["data: [DONE]\n\n"]])
+    events = _stream(engine, monkeypatch, max_tokens=1)  # waiting on decode: a hang
+    assert _text(events) == "A" and events[-1] == "[DONE]"
+    assert len(engine.requests) == 1  # decode's leg was sent, and is drained unread
+
+
+def test_a_relayed_stream_carries_token_ids_only_when_the_client_asked():
+    from kvpush.router.first_token import as_asked
+
+    chunk = [_event(7, "A"), "data: [DONE]\n\n"]
+    (event, done) = ray_stream._rewritten(chunk, as_asked({"stream": True}))
+    assert json.loads(event.removeprefix("data: "))["choices"][0]["token_ids"] is None
+    assert done == "data: [DONE]\n\n"
+    kept = ray_stream._rewritten(chunk, as_asked({"return_token_ids": True}))
+    assert json.loads(kept[0].removeprefix("data: "))["choices"][0]["token_ids"] == [7]

@@ -39,6 +39,7 @@ class Fake:
         self.cancelled = 0
         self.connections: set[int] = set()  # the client ports requests came from
         self.url = ""
+        self.texts: dict[int, str] = {}  # what /detokenize makes of a token id
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> Fake:
@@ -46,6 +47,7 @@ class Fake:
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/health", _healthy)
+        app.router.add_post("/detokenize", self._detokenize)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -63,6 +65,10 @@ class Fake:
         except asyncio.CancelledError:
             self.cancelled += 1  # the router closed the connection: vLLM would abort
             raise
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        ids = (await request.json())["tokens"]
+        return web.json_response({"prompt": "".join(self.texts.get(i, f"<{i}>") for i in ids)})
 
     async def stop(self) -> None:
         assert self._runner is not None
