@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.errors import KVPushError
-from kvpush.vllm.config import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
+from kvpush.vllm.config import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE, env_flag
 
 MODEL_NAME = "tiny"
 # "ValueError: ...", "torch.OutOfMemoryError: ...": a traceback's last line.
@@ -102,7 +102,7 @@ class VllmServer:
         )
         if self.spec.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.core)
-        if self.spec.env.get(ENV_INSECURE):  # no secret on purpose: none inherited either
+        if env_flag(ENV_INSECURE, self.spec.env):  # no secret on purpose: none inherited either
             env.pop(ENV_SECRET, None)
             env.pop(ENV_SECRET_FILE, None)
         env.update(self.spec.env)

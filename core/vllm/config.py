@@ -27,6 +27,16 @@ ENV_SECRET = "KVPUSH_SECRET"
 ENV_SECRET_FILE = "KVPUSH_SECRET_FILE"
 ENV_INSECURE = "KVPUSH_INSECURE"
 MIN_SECRET_BYTES = 16
+# Never the value: vLLM may have logged it with its arguments already.
+INLINE_SECRET = (
+    "kv_connector_extra_config key 'secret' is refused: vLLM logs its arguments at "
+    f"start-up and `ps` shows them. Give the secret in ${ENV_SECRET}, or in a file "
+    f"named by ${ENV_SECRET_FILE} or the 'secret_file' setting (`kvpush secret` prints "
+    "a new one; replace one that was set inline, as vLLM may have logged it)"
+)
+# KVPUSH_INSECURE's spellings; anything else is refused rather than guessed at.
+FLAG_ON = ("1", "true", "yes")
+FLAG_OFF = ("0", "false", "no", "")
 # vLLM's kv_role for each kvpush role: kv_producer -> producer, and so on.
 KV_ROLES = {f"kv_{role}": role for role in ROLES}
 
@@ -52,10 +62,11 @@ class ConnectorConfig:
         routers built for MooncakeConnector (0: not served; kvpush.vllm.bootstrap).
         DP rank 0 serves it for every DP rank (with DP > 1 it asks the others at
         their identity ports, so identity_port must be set too).
-    secret: the deployment's shared secret, which authenticates every side-channel
-        message and gates the NIXL metadata that opens the KV cache to a peer
-        (default: $KVPUSH_SECRET; `kvpush secret` prints a new one).
-    secret_file: a file holding the secret instead (default: $KVPUSH_SECRET_FILE).
+    secret_file: a file holding the deployment's shared secret, which authenticates
+        every side-channel message and gates the NIXL metadata that opens the KV cache
+        to a peer (default: $KVPUSH_SECRET, else $KVPUSH_SECRET_FILE; `kvpush secret`
+        prints a new one). The secret itself is no setting: vLLM logs its arguments
+        and `ps` shows them.
     insecure: run without a secret (default false; or $KVPUSH_INSECURE=1): anyone
         who can reach an instance's API or side channel can then read and write its
         KV cache. Without a secret and without this, the instance refuses to start.
@@ -91,7 +102,6 @@ class ConnectorConfig:
     port: int = 0
     identity_port: int = 0
     bootstrap_port: int = 0
-    secret: str | None = None
     secret_file: str | None = None
     insecure: bool = False
     allowed_producers: tuple[str, ...] = ()
@@ -126,6 +136,8 @@ class ConnectorConfig:
                 "kv_connector_extra_config key 'layerwise' was replaced by "
                 "push_granularity: 'layer' (layerwise true), 'request' (false), or 'chunk'"
             )
+        if "secret" in extra:
+            raise ConfigError(INLINE_SECRET)
         plain = {f.name for f in dataclasses.fields(cls)} - {"protocol"}
         unknown = sorted(set(extra) - plain - _PROTOCOL_KEYS)
         if unknown:
@@ -148,7 +160,6 @@ def _checked(key: str, value: Any) -> Any:
         "port": int,
         "identity_port": int,
         "bootstrap_port": int,
-        "secret": str,
         "secret_file": str,
         "insecure": bool,
         "push_granularity": str,
@@ -188,9 +199,10 @@ def _checked(key: str, value: Any) -> Any:
 
 
 def load_secret(config: ConnectorConfig) -> bytes:
-    """The deployment's shared secret: the `secret` setting, else `secret_file`, else
-    $KVPUSH_SECRET, else $KVPUSH_SECRET_FILE. None at all is a ConfigError unless the
-    operator chose to run insecure (then b"", with a warning)."""
+    """The deployment's shared secret: the `secret_file` setting, else $KVPUSH_SECRET,
+    else $KVPUSH_SECRET_FILE. None at all is a ConfigError unless the operator chose
+    to run insecure (then b"", with a warning)."""
+    chose_insecure = insecure(config)  # a bad $KVPUSH_INSECURE stops every start
     value, source = _secret_source(config)
     if value:
         if len(value) < MIN_SECRET_BYTES:
@@ -199,9 +211,9 @@ def load_secret(config: ConnectorConfig) -> bytes:
                 f"{MIN_SECRET_BYTES} (`kvpush secret` prints one)"
             )
         return value
-    if not insecure(config):
+    if not chose_insecure:
         raise ConfigError(
-            f"no shared secret: set {ENV_SECRET} (or {ENV_SECRET_FILE}, or the 'secret' / "
+            f"no shared secret: set {ENV_SECRET} (or {ENV_SECRET_FILE}, or the "
             "'secret_file' setting) to the same value on every prefill and decode instance; "
             "`kvpush secret` prints a new one. To run without one, set 'insecure': true "
             f"(or {ENV_INSECURE}=1): anyone who can reach an instance can then read and "
@@ -216,12 +228,24 @@ def load_secret(config: ConnectorConfig) -> bytes:
 
 def insecure(config: ConnectorConfig) -> bool:
     """Whether the operator chose to run without a secret."""
-    return config.insecure or os.environ.get(ENV_INSECURE, "") not in ("", "0")
+    return env_flag(ENV_INSECURE) or config.insecure
+
+
+def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Environment variable `name` (of `environ`, default the process's) as a boolean:
+    "1", "true", "yes" on; "0", "false", "no", empty or unset off, in any case. Any
+    other value is a ConfigError: "off" or "enabled" must not be taken for either."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip().lower()
+    if value in FLAG_ON:
+        return True
+    if value in FLAG_OFF:
+        return False
+    choices = ", ".join(repr(v) for v in FLAG_ON + FLAG_OFF)
+    raise ConfigError(f"{name}={raw!r} is not a boolean: use one of {choices}")
 
 
 def _secret_source(config: ConnectorConfig) -> tuple[bytes, str]:
-    if config.secret:
-        return config.secret.encode(), "the 'secret' setting"
     if config.secret_file:
         return _read_secret(config.secret_file), f"the file {config.secret_file}"
     if os.environ.get(ENV_SECRET):

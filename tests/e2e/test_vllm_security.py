@@ -3,18 +3,22 @@
 Secure by default: an instance without a secret does not start. A client of decode's
 OpenAI API that forges a decode leg naming a producer it runs (with another secret)
 gets no KV of decode's and can write none: the handshake stops at the hellos, the
-request is computed from the prompt, and both sides count the refusal.
+request is computed from the prompt, and both sides count the refusal. Whoever
+reads the servers' logs or the process table learns no secret from them.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import Client, prompt
 
 from kvpush.backend.plugins import Backends
+from kvpush.demo.cluster import Cluster
 from kvpush.errors import KVPushError
 from kvpush.node import Node, NodeConfig
 
@@ -85,3 +89,60 @@ def _external(client: Client, url: str, name: str) -> float:
         if line.startswith(name + "{") and 'source="external_kv_transfer"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_the_secret_is_in_no_log_line_and_no_command_line(
+    cluster: Cluster, router: str, client: Client
+):
+    """A secured pair that paired and moved KV, behind the router: no line of any log
+    the servers and routers wrote, and no command line of their processes, holds the
+    deployment's secret, as is or hex-encoded."""
+    decode = cluster.servers["decode"].url
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    tokens = prompt(300, 9800)
+    assert client.tokens(router, tokens) == client.tokens(cluster.servers["single"].url, tokens)
+    deadline = time.monotonic() + 10  # decode's counters ride on its engine's steps
+    while client.metric(decode, "vllm:kvpush_delivered_total") == delivered:
+        assert time.monotonic() < deadline, "no KV moved: the pair never paired"
+        time.sleep(0.2)
+    secret = cluster.secret.encode()
+    forms = {"the secret": secret, "its hex": secret.hex().encode()}
+    logs = sorted(cluster.workdir.rglob("*.log"))
+    names = {path.parent.name if path.name == "server.log" else path.stem for path in logs}
+    assert {"prefill", "decode", "router"} <= names, names
+    # The line that printed a secret set in kv_connector_extra_config: it is read here.
+    assert "non-default args" in cluster.servers["prefill"].log_path.read_text(errors="replace")
+    leaks = [
+        f"{what} in {path}, line {number}"
+        for path in logs
+        for number, line in enumerate(path.read_bytes().splitlines(), 1)
+        for what, form in forms.items()
+        if form in line
+    ]
+    commands = _command_lines(cluster)
+    assert any(b"--kv-transfer-config" in line for line in commands.values()), commands
+    leaks += [
+        f"{what} in the command line of process {pid}"
+        for pid, line in commands.items()
+        for what, form in forms.items()
+        if form in line
+    ]
+    assert not leaks, leaks
+
+
+def _command_lines(cluster: Cluster) -> dict[int, bytes]:
+    """/proc/PID/cmdline (what `ps` shows) of every process of the running servers
+    and routers: each runs in its own process group, its children in it too."""
+    groups = {s.process.pid for s in cluster.servers.values() if s.process is not None}
+    groups |= {process.pid for process, _ in cluster.routers.values()}
+    found: dict[int, bytes] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) in groups:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+    assert len(found) >= len(groups), (groups, found)
+    return found

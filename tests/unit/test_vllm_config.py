@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from kvpush.demo.servers import ServerSpec, VllmServer
 from kvpush.errors import ConfigError
-from kvpush.vllm.config import ConnectorConfig, load_secret, new_secret, producer_allowed
+from kvpush.vllm.config import (
+    ConnectorConfig,
+    env_flag,
+    insecure,
+    load_secret,
+    new_secret,
+    producer_allowed,
+)
 
 SECRET = "0123456789abcdef-deployment"
 
@@ -21,11 +29,11 @@ def _config(**extra) -> ConnectorConfig:
     return ConnectorConfig.from_extra(extra)
 
 
-def test_the_secret_comes_from_the_setting_a_file_or_the_environment(no_secret_env, tmp_path):
+def test_the_secret_comes_from_a_file_or_the_environment(no_secret_env, tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET + "-file\n")
     no_secret_env.setenv("KVPUSH_SECRET", SECRET + "-env")
-    assert load_secret(_config(secret=SECRET)) == SECRET.encode()  # the setting wins
+    # The setting wins.
     assert load_secret(_config(secret_file=str(path))) == (SECRET + "-file").encode()
     assert load_secret(_config()) == (SECRET + "-env").encode()
     no_secret_env.delenv("KVPUSH_SECRET")
@@ -50,9 +58,53 @@ def test_running_without_a_secret_is_a_choice_and_warned_of(no_secret_env, caplo
     assert "INSECURE" in caplog.text
 
 
+def test_a_secret_in_the_settings_is_refused_without_echoing_it(no_secret_env):
+    """vLLM logs its arguments, kv_connector_extra_config among them, and `ps` shows
+    them: the secret has no place there."""
+    with pytest.raises(ConfigError, match="key 'secret' is refused") as refused:
+        _config(secret=SECRET)
+    message = str(refused.value)
+    for way in ("KVPUSH_SECRET", "KVPUSH_SECRET_FILE", "secret_file"):
+        assert way in message
+    assert SECRET not in message
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("1", True), ("true", True), ("YES", True), (" True\n", True),
+     ("0", False), ("false", False), ("No", False), ("", False), ("  ", False)],
+)  # fmt: skip
+def test_kvpush_insecure_takes_clear_booleans(no_secret_env, value, on):
+    no_secret_env.setenv("KVPUSH_INSECURE", value)
+    assert insecure(_config()) is on
+    assert env_flag("KVPUSH_INSECURE", {"KVPUSH_INSECURE": value}) is on
+
+
+@pytest.mark.parametrize("value", ["2", "off", "on", "enabled", "y", "falsch"])
+def test_any_other_kvpush_insecure_stops_the_start_naming_it(no_secret_env, tmp_path, value):
+    no_secret_env.setenv("KVPUSH_INSECURE", value)
+    (tmp_path / "secret").write_text(SECRET)
+    for config in (_config(), _config(secret_file=str(tmp_path / "secret"))):
+        with pytest.raises(ConfigError, match="KVPUSH_INSECURE") as refused:
+            load_secret(config)
+        assert repr(value) in str(refused.value)
+
+
+def test_the_demo_drops_inherited_secrets_only_when_insecure_is_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPUSH_SECRET", SECRET)
+    server = VllmServer(ServerSpec("p", tmp_path, 1, env={"KVPUSH_INSECURE": "false"}), tmp_path)
+    assert server.environment()["KVPUSH_SECRET"] == SECRET
+    server.spec.env["KVPUSH_INSECURE"] = "Yes"
+    assert "KVPUSH_SECRET" not in server.environment()
+    server.spec.env["KVPUSH_INSECURE"] = "maybe"
+    with pytest.raises(ConfigError, match="KVPUSH_INSECURE='maybe'"):
+        server.environment()
+
+
 def test_a_short_secret_or_an_unreadable_file_is_refused_by_name(no_secret_env, tmp_path):
+    (tmp_path / "short").write_text("short\n")
     with pytest.raises(ConfigError, match="is 5 bytes; use at least 16"):
-        load_secret(_config(secret="short"))
+        load_secret(_config(secret_file=str(tmp_path / "short")))
     with pytest.raises(ConfigError, match="cannot read the shared secret file"):
         load_secret(_config(secret_file=str(tmp_path / "missing")))
     (tmp_path / "empty").write_text("\n")
