@@ -122,7 +122,8 @@ class Session:
     def _seal_refusal(self, payload: bytes) -> bytes:
         """A Reject before the session's keys exist: a refusal must be sayable then.
         Bound to the peer's nonce where its hello checked out; otherwise signed as a
-        hello is, which no Session believes (a replay would be just as good)."""
+        hello is: readable on the wire, but no Session believes it, as nothing tells
+        it from a replay."""
         if self.peer_hello is not None:
             key = self._refusal_key(self.peer_hello.nonce)
         else:
