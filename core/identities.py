@@ -98,13 +98,24 @@ def mooncake_query(identities: list[InstanceIdentity]) -> dict[str, Any]:
     return answer
 
 
+class _Unredirected(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: an identity endpoint answers where it was asked, and
+    one that could send the asker elsewhere could make it fetch any URL."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_Unredirected)
+
+
 def fetch_query(address: str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
     """A bootstrap server's GET /query answer (at most MAX_ANSWER bytes of it), read
     within about `timeout` seconds in all: the socket's timeout bounds each read
     only, and a server trickling a byte at a time would otherwise hold a query
     thread for as long as it liked."""
     deadline = time.monotonic() + timeout
-    with urllib.request.urlopen(address.rstrip("/") + "/query", timeout=timeout) as response:
+    with _NO_REDIRECTS.open(address.rstrip("/") + "/query", timeout=timeout) as response:
         body = b""
         while len(body) <= MAX_ANSWER:
             chunk = response.read1(MAX_ANSWER + 1 - len(body))

@@ -5,6 +5,7 @@ fails is reported without a word of what the endpoint answered."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import socket
 import threading
@@ -161,3 +162,29 @@ def test_a_failed_query_reports_nothing_the_endpoint_answered(kind):
         assert HIDDEN not in message and HIDDEN.encode().hex() not in message, message
     finally:
         server.close()
+
+
+def test_an_identity_endpoint_that_redirects_is_not_followed():
+    """An endpoint allowed by shape could still send decode to any internal URL by a
+    redirect: it is a failure, and the redirect's target is never asked."""
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(302)
+            self.send_header("Location", "/internal/secret")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(OSError):
+            fetch_query(f"http://127.0.0.1:{server.server_address[1]}")
+        assert asked == ["/query"]
+    finally:
+        server.shutdown()
+        server.server_close()
