@@ -20,6 +20,9 @@ CHAT = "/v1/chat/completions"
 CHAT_SHARE = 0.3
 STREAM_SHARE = 0.5
 N2_SHARE = 0.2  # n=2 takes seeded sampling: vLLM refuses n > 1 with greedy
+# Of one-choice streams: unseeded at vLLM's default temperature (1), the request most
+# clients send. Not compared with a plain instance (no seed), but it must not fail.
+SAMPLED_STREAM_SHARE = 0.3
 LIST_SHARE = 0.1  # of completions: a list of two prompts
 SHARED_PREFIX_SHARE = 0.25  # of single-prompt completions: one of a few long prefixes
 AT_LIMIT_SHARE = 0.05  # prompts exactly as long as the context allows
@@ -90,6 +93,8 @@ def _shape(
     }  # fmt: skip
     if rng.random() < N2_SHARE:
         body.update(n=2, temperature=0.8, seed=rng.randrange(1 << 30))
+    elif body["stream"] and rng.random() < SAMPLED_STREAM_SHARE:
+        del body["temperature"]
     shared = False
     if rng.random() < CHAT_SHARE:
         path = CHAT

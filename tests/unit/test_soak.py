@@ -58,13 +58,18 @@ def test_shared_prefix_prompts_share_a_prefix_of_at_least_a_block():
     assert len(shapes) > len(heads) > 1  # a few prefixes, each used more than once
 
 
-def test_greedy_and_seeded_requests_are_compared_and_n2_is_seeded():
+def test_greedy_and_seeded_requests_are_compared_n2_is_seeded_and_some_streams_sample():
+    sampled = 0
     for shape in mix.mix(300, 3, LIMIT, 0.0):
-        assert shape.deterministic
         if shape.n == 2:
             assert "seed" in shape.body and shape.body["temperature"] > 0
+            assert shape.deterministic
+        elif "temperature" not in shape.body:  # vLLM's default, 1, and no seed
+            assert shape.stream and "seed" not in shape.body and not shape.deterministic
+            sampled += 1
         else:
-            assert shape.body["temperature"] == 0
+            assert shape.body["temperature"] == 0 and shape.deterministic
+    assert 20 < sampled < 80  # about 0.5 x 0.8 x 0.3 of 300
     random_sampled = mix.Shape(0, mix.COMPLETIONS, {"temperature": 1.0, "max_tokens": 1},
                                (1,), False, None)  # fmt: skip
     assert not random_sampled.deterministic
