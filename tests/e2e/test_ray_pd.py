@@ -35,7 +35,6 @@ from ray.serve.llm import build_pd_openai_app
 import kvpush.ray_serve
 from kvpush.demo.servers import MODEL_NAME
 from kvpush.ports import free_port
-from kvpush.ray_stream import seed_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -224,26 +223,24 @@ def test_ray_pd_push_answers_as_a_plain_instance_and_every_replica_serves(
             assert all(t["transfer_id"] in prefilled for t in decoded), name
         _landed(client, identities)
         # Streamed, with the first token from prefill: every shape as a plain instance
-        # streams it, an unseeded one with the seed both legs took from its transfer id.
+        # streams it; an unseeded sampled one is decode's own.
         assert_streams_match(client, single, url, seed=700)
-        _unseeded_stream_is_its_transfers_seed(client, single, url, identities)
+        _unseeded_stream_is_decodes_own(client, url)
         _drained(client, identities)
     finally:
         serve.delete("pd")
 
 
-def _unseeded_stream_is_its_transfers_seed(
-    client: Client, single: str, url: str, identities: dict[str, str]
-) -> None:
-    # ignore_eos: the seed is minted per request, so it may sample EOS early.
+def _unseeded_stream_is_decodes_own(client: Client, url: str) -> None:
+    """On vLLM's CPU build no seed is minted for an unseeded sampled stream (a CPU
+    generator cannot rewind, and a prompt computed in chunks would kill the engine):
+    the stream is decode's own, whole."""
+    # ignore_eos: unseeded, it may sample EOS early.
     body = {"model": MODEL_NAME, "prompt": prompt(220, 3477), "max_tokens": 10,
             "temperature": 1.0, "return_token_ids": True,
             "ignore_eos": True}  # fmt: skip
     ours = streamed(client, url, "/v1/completions", body)
-    decoded, _ = _traces(client, identities)
-    transfer = max(decoded, key=lambda t: t["marks"].get("arrived", 0))["transfer_id"]
-    theirs = streamed(client, single, "/v1/completions", {**body, "seed": seed_of(transfer)})
-    assert ours == theirs and len(ours["choices"][0]["ids"]) == 10
+    assert not ours["errors"] and len(ours["choices"][0]["ids"]) == 10
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
