@@ -538,3 +538,25 @@ def test_a_diverged_decode_leg_is_closed_before_its_choice_is_continued():
         await _close(runner, [prefill, decode])
 
     run(scenario())
+
+
+def test_a_prompt_with_media_is_relayed_from_decode():
+    """A continuation is a completions request of token ids: an image or audio part
+    of the prompt would not be in it, so such a stream never takes this path."""
+
+    async def scenario():
+        prefill = Fake(prefill_answer(chat=True))
+        decode = decode_fake(decode_stream(chat=True))
+        router, runner, url = await _serve([prefill], [decode])
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        content = [{"type": "text", "text": "what is this?"}, image]
+        body = {**BODY, "messages": [{"role": "user", "content": content}]}
+        _, events = await _post(url, body, "/v1/chat/completions")
+        assert _text(events) == "ABC" and all(e.get("id") != "cmpl-prefill" for e in events)
+        assert router.metrics.counter("first_token_from_decode", why="media") == 1
+        text_only = {**BODY, "messages": [{"role": "user", "content": content[:1]}]}
+        _, events = await _post(url, text_only, "/v1/chat/completions")
+        assert events[0]["id"] == "cmpl-prefill"
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
