@@ -170,7 +170,8 @@ class Consumer:
         self._transfers: dict[Key, _Transfer] = {}
         self._requests: dict[str, _Request] = {}
         self._ended: dict[Key, None] = {}  # insertion-ordered, bounded
-        self._held_cancels: dict[str, list[str]] = {}  # peer still connecting -> ids
+        # Peer whose session is still coming -> (transfer id, reason) to cancel there.
+        self._held_cancels: dict[str, list[tuple[str, str]]] = {}
         self._last_sent: dict[str, float] = {}  # peer -> when we last sent it anything
         self._deadlines = Deadlines()
 
@@ -257,26 +258,30 @@ class Consumer:
     def _give_up(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
         """End one part for `reason` (the engine aborted, or another part failed),
         as soon as nothing can write into its blocks any more."""
-        transfer_id = transfer.transfer_id
         if transfer.state == State.CANCELLING:
             return []
-        cancel = self._send(transfer.peer, Cancel(transfer_id, reason), now)
-        live = self._ready(transfer.peer)
-        if transfer.state == State.ANNOUNCED:
-            self._forget(transfer)
-            if not live:
-                # The producer may hold KV for it already: tell it once we can.
-                self._held_cancels.setdefault(transfer.peer, []).append(transfer_id)
-                return []
-            return [cancel]
         if transfer.state == State.READING:
             transfer.cancel_reason = transfer.cancel_reason or reason  # our own READ ends it
             return []
+        cancel = self._cancel(transfer, reason, now)
+        if transfer.state == State.ANNOUNCED:
+            self._forget(transfer)
+            return cancel
         if transfer.state in (State.CONNECTING, State.LANDING, State.REQUESTED):
             # Nobody else writes into these blocks (not claimed yet, already written,
             # or pull, where only our own READ would).
-            return ([cancel] if live else []) + self._fail(transfer, now, reason)
-        return ([cancel] if live else []) + self._start_cancel(transfer, reason, now)
+            return cancel + self._fail(transfer, now, reason)
+        return cancel + self._start_cancel(transfer, reason, now)
+
+    def _cancel(self, transfer: _Transfer, reason: str, now: float) -> list[Action]:
+        """Tell the producer we give the transfer up: now, or once the session to it is
+        up. The producer may hold KV for it already, computed or on its way, and with
+        no claim or announcement from us it would keep it for its whole lease."""
+        if self._ready(transfer.peer):
+            return [self._send(transfer.peer, Cancel(transfer.transfer_id, reason), now)]
+        if transfer.peer in self._peers:  # the session is coming: on_ready sends it
+            self._held_cancels.setdefault(transfer.peer, []).append((transfer.transfer_id, reason))
+        return []
 
     # -- session events --------------------------------------------------------------
 
@@ -285,8 +290,8 @@ class Consumer:
         completed."""
         self._peers[peer] = _Peer("ready", hello, layout)
         actions: list[Action] = [
-            self._send(peer, Cancel(tid, "aborted"), now)
-            for tid in self._held_cancels.pop(peer, ())
+            self._send(peer, Cancel(tid, reason), now)
+            for tid, reason in self._held_cancels.pop(peer, ())
         ]
         waiting = [t for t in self._transfers.values() if t.peer == peer]
         announced = [t.transfer_id for t in waiting if t.state == State.ANNOUNCED]
@@ -622,7 +627,10 @@ class Consumer:
 
     def _on_watchdog(self, transfer: _Transfer, now: float) -> list[Action]:
         if transfer.state == State.CONNECTING:
-            return self._fail(transfer, now, "watchdog_expired", "no session with the producer")
+            cancel = self._cancel(transfer, "watchdog_expired", now)  # if the session comes
+            return cancel + self._fail(
+                transfer, now, "watchdog_expired", "no session with the producer"
+            )
         cancel = self._send(transfer.peer, Cancel(transfer.transfer_id, "watchdog_expired"), now)
         if transfer.state == State.REQUESTED:
             return [cancel] + self._fail(transfer, now, "watchdog_expired", "no grant in time")

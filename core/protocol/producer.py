@@ -66,6 +66,10 @@ from kvpush.protocol.timers import HEARTBEAT, Deadlines, arm_heartbeat
 
 # Final-report memory: far more transfers than can end between two reports of one.
 _FINAL_MEMORY = 65536
+# The outcome of KV released because a consumer cancelled the transfer before claiming
+# it: its decode request ended first (client gone, decode failed), or it needs none
+# of the KV (another choice of n > 1 brings the prompt, or decode has it cached).
+DECODE_CANCELLED = "decode_cancelled"
 
 # A record's key: (transfer id, the consumer peer that claimed it; None until one did).
 Key = tuple[str, "str | None"]
@@ -822,7 +826,7 @@ class Producer:
             return [ack]  # someone else's claim: not yours to end
         if transfer is None:
             # The consumer gave up before we heard of it: free the KV as soon as it exists.
-            self._tombstone(tid, "aborted", now)
+            self._tombstone(tid, DECODE_CANCELLED, now)
             return [ack]
         if transfer.state in _READABLE:
             return [ack] + self._hold_grant(transfer, message.reason)
@@ -831,7 +835,9 @@ class Producer:
             TRANSITIONS.move(transfer, State.CANCELLING)
             transfer.reason = message.reason
             return []
-        return [ack] + self._end(transfer, message.reason, now)
+        # Unclaimed, it would be held for the whole lease: no claim is coming from here.
+        outcome = DECODE_CANCELLED if transfer.peer is None else message.reason
+        return [ack] + self._end(transfer, outcome, now)
 
     # -- time ------------------------------------------------------------------------
 

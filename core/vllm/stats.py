@@ -124,7 +124,8 @@ _BY_REASON_METRICS = {
     "orphaned": (
         "vllm:kvpush_orphaned_total",
         "Transfers whose other leg never came, by reason: prefill KV no decode announced "
-        "within orphan_grace_s, or a decode leg whose orchestrator dropped the prefill "
+        "within orphan_grace_s (no_decode_announced) or a decode cancelled before claiming "
+        "it (decode_cancelled), or a decode leg whose orchestrator dropped the prefill "
         "answer's kv_transfer_params",
     ),
     "refused": (

@@ -21,6 +21,7 @@ from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.node.interpreter import Outcome
+from kvpush.protocol.producer import DECODE_CANCELLED
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
@@ -330,6 +331,9 @@ class WorkerSide:
                     "kv_transfer_params to decode?)", tid,
                 )  # fmt: skip
                 self._stats.count("orphaned", "no_decode_announced")
+            elif outcome.reason == DECODE_CANCELLED:
+                # Not a warning: n > 1's other choices and decode's own cache hits say so too.
+                self._stats.count("orphaned", DECODE_CANCELLED)
             return
         request_id = self._outcomes.received(tid, ok=outcome.kind == "delivered")
         if request_id is None:

@@ -9,8 +9,12 @@ block held on either side.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import json
+import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -276,6 +280,100 @@ def test_client_disconnect_aborts_both_legs_and_frees_blocks(cluster, router, cl
     assert client.tokens(router, prompt(40, 1)) == client.tokens(
         cluster.servers["single"].url, prompt(40, 1)
     )
+
+
+class HeldDial:
+    """A relay to a side channel that takes a dial at once but passes nothing either
+    way until opened: a session that is still pairing, for as long as a test likes."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.dialled = threading.Event()
+        self.opened = threading.Event()
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._relay, daemon=True).start()
+
+    def _relay(self) -> None:
+        with contextlib.suppress(OSError):
+            near, _ = self.listener.accept()
+            self.sockets.append(near)
+            self.dialled.set()
+            self.opened.wait()
+            far = socket.create_connection(self.target)
+            self.sockets.append(far)
+            threading.Thread(target=self._pump, args=(far, near), daemon=True).start()
+            self._pump(near, far)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+@contextlib.contextmanager
+def held_dial(target: str) -> Iterator[HeldDial]:
+    relay = HeldDial(target)
+    try:
+        yield relay
+    finally:
+        relay.close()
+
+
+def test_a_decode_leg_given_up_while_its_session_pairs_frees_prefills_kv_at_once(cluster, client):
+    """Prefill answered the leg's first token and holds the KV for decode; the decode
+    leg ends (its client gone) while decode's side channel to prefill is still pairing,
+    as for its first request to this prefill or the first after a restart. Nothing
+    was claimed or announced, so prefill would keep the KV its whole lease (60 s): it
+    lets go as soon as the session is up, and counts it."""
+    prefill, decode = cluster.servers["prefill"].url, cluster.servers["decode"]
+    identity = client.http.get(cluster.identity_url("prefill") + "/query").json()
+    (address,) = identity["addresses"]
+    tokens, transfer_id = prompt(300, 1300), f"xfer-given-up-{time.time_ns()}"
+    before = client.metric(prefill, "vllm:kvpush_orphaned_total")
+    leg = {"do_remote_decode": True, "transfer_id": transfer_id}
+    assert client.complete(prefill, tokens, max_tokens=1, kv_transfer_params=leg).status_code == 200
+    assert client.state(cluster.identity_url("prefill"))["sending"] >= 1
+    with held_dial(address) as relay:
+        params = {
+            "do_remote_prefill": True, "transfer_id": transfer_id, "transfer_mode": "push",
+            "remote_engine_id": identity["engine_id"], "remote_epoch": identity["epoch"],
+            "remote_addresses": [relay.address], "tp_size": identity["tp_size"],
+        }  # fmt: skip
+        body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": 12, "temperature": 0,
+                "stream": True, "kv_transfer_params": params}  # fmt: skip
+        payload = json.dumps(body).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: decode\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n")  # fmt: skip
+        decode_state = cluster.identity_url("decode")
+        host, port = decode.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as leg_socket:
+            leg_socket.sendall(head.encode() + payload)
+            assert relay.dialled.wait(30), "decode never dialled the producer it was named"
+            deadline = time.monotonic() + 30
+            while client.state(decode_state)["receiving"] < 1:  # blocks allocated, not claimed
+                assert time.monotonic() < deadline, client.state_detail(decode_state)
+                time.sleep(0.05)
+        # The client left: vLLM aborts the leg, and decode frees its blocks at once.
+        assert client.wait_drained(decode_state, 30)["receiving"] == 0
+        relay.opened.set()  # the session pairs now
+        started = time.monotonic()
+        state = client.wait_drained(cluster.identity_url("prefill"), 15)  # lease_s is 60
+        assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
+        print(f"prefill let go {time.monotonic() - started:.2f} s after the session opened")
+    deadline = time.monotonic() + 10
+    while client.metric(prefill, "vllm:kvpush_orphaned_total") < before + 1:
+        assert time.monotonic() < deadline, "the release was not counted"
+        time.sleep(0.2)
+    assert 'reason="decode_cancelled"' in client.http.get(prefill + "/metrics").text
+    _both_drained(cluster, client)
 
 
 KILL_ATTEMPTS = 3

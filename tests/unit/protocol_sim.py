@@ -340,6 +340,9 @@ class Sim:
         self.half_closed: set[str] = set()  # consumers whose link only they saw break
         self.disconnected: list[str] = []  # consumers the producer dropped as silent
         self.armed: list[str] = []  # data-path calls ("post", "stage") to fail next
+        # While True, a consumer's dial waits in `dialling` until complete_handshakes().
+        self.slow_handshakes = False
+        self.dialling: list[ConsumerSide] = []
         self.stale_reads: set[str] = set()  # READs that copied freed producer blocks
         # Each engine runs one machine; the other half of its Node stays idle.
         self.idle_producer = Producer(self.config, num_layers=layers)
@@ -353,6 +356,11 @@ class Sim:
         return next(iter(self.consumers.values()))
 
     # -- engine events ----------------------------------------------------------------
+
+    def announce(self, tid: str, consumer: str | None = None) -> None:
+        """A decode request for `tid` arrived; its blocks are not allocated yet."""
+        side = self.consumers[consumer] if consumer else self.c
+        self._run_consumer(side, side.machine.announce(tid, PRODUCER, self.now))
 
     def expect(self, tid: str, blocks: int = 4, consumer: str | None = None, skip: int = 0):
         side = self.consumers[consumer] if consumer else self.c
@@ -560,7 +568,16 @@ class Sim:
         if pending and pending[0] == side.name:
             self.errors.append(f"{tid} ended on {side.name} while a WRITE into it is in flight")
 
+    def complete_handshakes(self) -> None:
+        """The dials slow_handshakes held back pair now, and later ones at once."""
+        self.slow_handshakes = False
+        while self.dialling:
+            self._handshake(self.dialling.pop(0))
+
     def _handshake(self, side: ConsumerSide, problem: str | None = None) -> None:
+        if self.slow_handshakes and not problem:
+            self.dialling.append(side)
+            return
         if not self.handshake_ok or problem:
             why = problem or "refused"
             self._run_consumer(side, side.machine.on_handshake_failed(PRODUCER, why, self.now))

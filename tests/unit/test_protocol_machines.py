@@ -824,6 +824,71 @@ def test_a_request_given_up_before_its_session_is_up_still_frees_the_producers_k
     )  # only once
 
 
+@pytest.mark.parametrize("stage", ["announced", "allocated", "kv_not_computed_yet"])
+def test_a_request_given_up_while_its_session_comes_up_frees_the_producers_kv_at_once(stage):
+    """The first request to a producer (or the first after a reconnect) ends while the
+    side channel is still pairing: a client gone, a decode failing. No claim and no
+    announcement reached the producer, so without the Cancel sent once the session is
+    up it would keep the KV for its whole lease."""
+    sim = Sim()
+    sim.slow_handshakes = True
+    if stage != "kv_not_computed_yet":
+        sim.ready("t1")  # the prefill leg answered (the first token's path)
+    sim.announce("t1")
+    if stage != "announced":
+        sim.expect("t1")
+    sim.abort_consumer("t1")
+    if stage != "announced":
+        assert sim.c.failed == {"t1": "aborted"}  # nothing was claimed: blocks free at once
+    sim.complete_handshakes()
+    sim.deliver()
+    if stage == "kv_not_computed_yet":
+        assert not sim.released
+        sim.ready("t1")  # prefill computes it after all: it goes back at once
+    assert sim.released == {"t1": "decode_cancelled"}
+    assert sim.now < sim.config.heartbeat_s  # not the lease, nor a timer
+    sim.settle()
+    sim.check()
+
+
+def test_a_watchdog_that_fires_before_the_session_is_up_frees_the_producers_kv():
+    sim = Sim()
+    sim.slow_handshakes = True
+    sim.ready("t1")
+    sim.expect("t1")
+    sim.advance(sim.config.watchdog_s + 0.5)
+    assert sim.c.failed == {"t1": "watchdog_expired"}
+    sim.complete_handshakes()
+    sim.deliver()
+    assert sim.released == {"t1": "decode_cancelled"}
+    assert sim.now < sim.config.lease_s
+    sim.check()
+
+
+def test_a_consumers_cancel_frees_only_kv_nobody_claimed():
+    """A Cancel (authenticated: a forged or replayed one never reaches the machine)
+    ends an unclaimed transfer, as "decode_cancelled"; one for a transfer another
+    consumer claimed is only acked, and that claim goes on."""
+    sim = Sim(consumers=2)
+    sim._handshake(sim.consumers["decode1"])  # paired, as any holder of the secret can
+    sim.ready("held")
+    sim._run_producer(sim.producer.on_message("decode1", Cancel("held", "aborted"), sim.now))
+    assert sim.released == {"held": "decode_cancelled"}
+    sim._run_producer(sim.producer.on_message("decode1", Cancel("later", "aborted"), sim.now))
+    sim.ready("later")  # the KV came after the Cancel: back at once
+    assert sim.released["later"] == "decode_cancelled"
+    sim.expect("theirs", consumer="decode0")
+    sim.deliver()
+    sim.ready("theirs")
+    sim.network.clear()  # the acks
+    sim._run_producer(sim.producer.on_message("decode1", Cancel("theirs", "aborted"), sim.now))
+    assert [m for to, _, m in sim.network if to == "decode1"] == [CancelAck("theirs")]
+    sim.settle()
+    assert sim.consumers["decode0"].delivered == ["theirs"]
+    assert sim.released["theirs"] == "sent"
+    sim.check()
+
+
 def test_the_last_layer_reported_twice_releases_once():
     """The layer hook and the end of the step both report the last layer."""
     sim = Sim()
