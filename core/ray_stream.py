@@ -37,7 +37,7 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer
 
 from kvpush.router import first_token, sse
-from kvpush.router.first_token import Departed
+from kvpush.router.continuation import Departed, continuation_leg, text_in_context
 from kvpush.router.legs import openai_error
 from kvpush.vllm.compat import seeds_rewind
 
@@ -161,11 +161,9 @@ class _FirstTokenEngine(LLMServer):
         if state.ended:
             return
         try:
-            text_of = first_token.text_in_context(
-                state.first.prompt, lambda ids: self._detokenize(body, ids)
-            )
+            text_of = text_in_context(state.first.prompt, lambda ids: self._detokenize(body, ids))
             had = await edit.resume(index, text_of)
-            leg = first_token.continuation_leg(body, state.first.prompt, had, edit.chat)
+            leg = continuation_leg(body, state.first.prompt, had, edit.chat)
             base = body.get("request_id") or "kvpush"
             request = CompletionRequest.model_validate(
                 {**leg, "request_id": f"{base}-continued-{index}-{len(had)}"}

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router import first_token
-from kvpush.router.first_token import Departed
+from kvpush.router.continuation import Departed, continuation_leg, text_in_context
 from kvpush.router.instances import Instance
 from kvpush.router.legs import openai_error
 from kvpush.router.request import (
@@ -187,11 +187,11 @@ class FirstTokenStreams:
         has. If that fails too, the client is told in the stream."""
         state = edit.choices[index]
         try:
-            text_of = first_token.text_in_context(
+            text_of = text_in_context(
                 state.first.prompt, lambda ids: self._detokenize(decode, body, ids, headers)
             )
             had = await edit.resume(index, text_of)
-            leg = first_token.continuation_leg(body, state.first.prompt, had, edit.chat)
+            leg = continuation_leg(body, state.first.prompt, had, edit.chat)
             async with self._http().post(
                 decode.url + "/v1/completions", json=leg, headers=headers
             ) as response:

@@ -38,12 +38,18 @@ unseeded sampled stream gets decode's own first token.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.identities import PROMPT_CUT
-from kvpush.router.legs import GENERATION_ONLY
+from kvpush.router.continuation import (
+    Departed,
+    TextOf,
+    as_client_event,
+    ids_of,
+    resume_point,
+)
 
 # Fields of the client's body that keep a request on the relay-only path.
 NOT_SERVED = ("use_beam_search", "echo", "prompt_logprobs", "tools")
@@ -282,33 +288,6 @@ def _unasked(choice: Any) -> Any:
             for k, v in choice.items()}  # fmt: skip
 
 
-def continuation_leg(
-    body: dict[str, Any], prompt: list[int], had: list[int], chat: bool
-) -> dict[str, Any]:
-    """A choice's own request from the tokens the client has (`had`): its prompt plus
-    those, the rest to generate, on the completions endpoint (it takes token ids)."""
-    # The prompt is token ids now; what else the client sent besides generation
-    # settings named the prompt's text, except the model, its cache salt (decode's
-    # cached prompt blocks are salted with it) and its priority.
-    kept = ("model", "cache_salt", "priority")
-    leg = {k: v for k, v in body.items() if k in GENERATION_ONLY or k in kept}
-    for key in ("n", "best_of", "echo", "prompt_logprobs", "max_completion_tokens",
-                "logprobs", "top_logprobs", "response_format", "structured_outputs"):  # fmt: skip
-        leg.pop(key, None)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if isinstance(limit, int):
-        leg["max_tokens"] = max(1, limit - len(had))
-    if body.get("min_tokens"):
-        leg["min_tokens"] = max(0, body["min_tokens"] - len(had))
-    if chat and body.get("logprobs"):
-        leg["logprobs"] = body.get("top_logprobs") or 0
-    elif not chat and body.get("logprobs") is not None:
-        leg["logprobs"] = body["logprobs"]
-    leg.update(prompt=[*prompt, *had], stream=True, return_token_ids=True)
-    leg["stream_options"] = {"include_usage": False}
-    return leg
-
-
 @dataclass
 class _Choice:
     first: First
@@ -427,7 +406,7 @@ class DecodeEdit:
         stream (what it counts toward usage noted). Raises Departed where its text
         leaves what the client has already."""
         state = self.choices[index]
-        ids = _ids(event)
+        ids = ids_of(event)
         event = self._unrepeated(state, event)
         out = as_client_event(event, index, self.chat, self.head, self.wants_ids)
         if out is None:
@@ -442,7 +421,7 @@ class DecodeEdit:
         else:
             choice["text"] = text
         state.had += ids
-        state.given += len(_ids(event))
+        state.given += len(ids_of(event))
         state.sent += text
         state.ended = state.ended or bool(choice.get("finish_reason"))
         return out
@@ -482,10 +461,6 @@ class DecodeEdit:
 _DIVERGED = object()
 
 
-class Departed(Exception):
-    """A continuation generated text other than what the client already has."""
-
-
 def _unowed(state: _Choice, text: str) -> Any:
     """`text` less what the client has already (`state.owed`), or _DIVERGED where
     the two disagree."""
@@ -500,43 +475,6 @@ def _unowed(state: _Choice, text: str) -> Any:
     return _DIVERGED
 
 
-TextOf = Callable[[list[int]], Awaitable[str]]
-# Tokens looked at, from the last back, for where the client's text ends: text held
-# back is at most the longest stop string or one character, a few tokens at most.
-RESUME_SCAN = 64
-# Prompt tokens detokenized before a continuation's, so that a tokenizer that drops
-# a leading space (SentencePiece) reads them as the stream did, mid-sequence.
-CONTEXT = 4
-
-
-async def resume_point(had: list[int], sent: str, text_of: TextOf) -> tuple[int, str]:
-    """The longest start of `had` whose text is a start of `sent` (the client's
-    text), and the text the client has past it. Past RESUME_SCAN tokens it starts
-    over from none: then the continuation must generate `sent` again."""
-    for kept in range(len(had), max(len(had) - RESUME_SCAN, 0), -1):
-        text = await text_of(had[:kept])
-        if sent.startswith(text):
-            return kept, sent[len(text) :]
-    return 0, sent
-
-
-def text_in_context(prompt: list[int], detokenize: TextOf) -> TextOf:
-    """The text of generated ids as a stream after `prompt` shows it, from a
-    detokenizer of whole sequences."""
-    context = prompt[-CONTEXT:]
-    before: list[str] = []
-
-    async def text_of(ids: list[int]) -> str:
-        if not ids:
-            return ""
-        if not before:
-            before.append(await detokenize(context))
-        whole = await detokenize([*context, *ids])
-        return whole[len(before[0]) :] if whole.startswith(before[0]) else whole
-
-    return text_of
-
-
 def _drop(logprobs: Any, chat: bool, count: int) -> Any:
     """Logprobs without their first `count` tokens' entries."""
     if not isinstance(logprobs, dict) or not count:
@@ -544,52 +482,3 @@ def _drop(logprobs: Any, chat: bool, count: int) -> Any:
     if chat:
         return {**logprobs, "content": (logprobs.get("content") or [])[count:]}
     return {k: v[count:] if isinstance(v, list) else v for k, v in logprobs.items()}
-
-
-def _ids(event: dict[str, Any]) -> list[int]:
-    choices = event.get("choices") or [{}]
-    return list(choices[0].get("token_ids") or [])
-
-
-def as_client_event(
-    event: dict[str, Any], index: int, chat: bool, head: dict[str, Any], wants_ids: bool
-) -> dict[str, Any] | None:
-    """A completions event of a continuation as choice `index` in the client's
-    stream, chat's shape or completions'."""
-    choices = event.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return None
-    choice = choices[0]
-    ids = _ids(event)
-    base = {**event, **head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    base.pop("usage", None)
-    if chat:
-        out = {"index": index, "delta": {"content": choice.get("text") or ""},
-               "logprobs": _chat_logprobs(choice.get("logprobs")),
-               "finish_reason": choice.get("finish_reason"),
-               "token_ids": ids if wants_ids else None}  # fmt: skip
-        if choice.get("finish_reason"):
-            out["stop_reason"] = choice.get("stop_reason")
-    else:
-        out = {**choice, "index": index, "prompt_token_ids": None,
-               "token_ids": ids if wants_ids else None}  # fmt: skip
-    return {**base, "choices": [out]}
-
-
-def _chat_logprobs(logprobs: Any) -> Any:
-    """Completions-style logprobs as chat's: one entry per token."""
-    if not isinstance(logprobs, dict):
-        return None
-    entries = []
-    tops = logprobs.get("top_logprobs") or []
-    for i, (token, value) in enumerate(
-        zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [], strict=False)
-    ):
-        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        entries.append({
-            "token": token, "logprob": value, "bytes": list(token.encode()),
-            "top_logprobs": [
-                {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top.items()
-            ],
-        })  # fmt: skip
-    return {"content": entries}

@@ -361,7 +361,7 @@ def test_an_answer_this_path_cannot_stand_on_is_no_opening():
 
 
 def test_a_chat_choice_continues_as_a_completion_of_its_token_ids_shown_as_chat():
-    from kvpush.router.first_token import as_client_event, continuation_leg
+    from kvpush.router.continuation import as_client_event, continuation_leg
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "max_completion_tokens": 5, "min_tokens": 2, "temperature": 0.5, "seed": 9,
