@@ -9,13 +9,12 @@ Decode's own first token is checked against prefill's, per choice. From the same
 seed and parameters they can still differ where the two engines' logits do in their
 last bits at a near tie (never seen here on the CPU build, but not ruled out). The
 client already holds prefill's token, so such a choice is not taken from decode's
-stream: it continues from a request of its own, prompt plus that token (decode's
-prefix cache holds the prompt's KV by then).
+stream: it continues from a request of its own (kvpush.router.continuation), from
+the first text the client does not have (decode's prefix cache holds the prompt's
+KV by then).
 
 Prefill's token is streamed only as vLLM would have streamed it after one token:
-text that may begin a stop string is held back (`released`), and a choice that
-continues elsewhere resumes at the first text the client does not have
-(`resume_point`).
+text that may begin a stop string is held back (`released`).
 
 Everything here is a function of JSON: what each leg is sent, the client's opening
 events, and `DecodeEdit`, which takes decode's events and says what the client gets.
@@ -104,8 +103,6 @@ def greedy(body: dict[str, Any]) -> bool:
 
 
 _GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature
-MEDIA = ("image_url", "input_audio", "audio_url", "video_url", "image_embeds",
-         "audio_embeds", "image_pil")  # fmt: skip
 
 
 def _has_media(body: dict[str, Any]) -> bool:
