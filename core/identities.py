@@ -65,6 +65,9 @@ class InstanceIdentity(msgspec.Struct, frozen=True, kw_only=True):
     # Whether its engine can take a sampling seed the client did not send: its
     # generators rewind (kvpush.router.first_token).
     seeds_rewind: bool = False
+    # Where its loopback addresses lead (kvpush.addresses.network_id): a decode
+    # elsewhere refuses a loopback side-channel address rather than dial its own.
+    network: str = ""
     ranks: list[RankIdentity] = []
     kvpush: bool = True
 
@@ -175,6 +178,7 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
         "remote_dp_rank": identity.dp_rank,
         "remote_data_parallel": identity.data_parallel,
         "remote_seeds_rewind": identity.seeds_rewind,
+        "remote_network": identity.network,
     }
 
 
@@ -230,6 +234,7 @@ def identity_from_decode_params(params: dict[str, Any]) -> InstanceIdentity | No
         "dp_rank": params.get("remote_dp_rank", 0),
         "data_parallel": params.get("remote_data_parallel", False),
         "seeds_rewind": params.get("remote_seeds_rewind", False),
+        "network": params.get("remote_network", ""),
     }
     try:
         return parse_identity(named)

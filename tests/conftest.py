@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import PurePosixPath
 
+import netns
 import pytest
 
 from kvpush.ports import ENV_PORTS, port_range
@@ -63,3 +65,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"kvpush: nixl {'available' if HAS_NIXL else 'MISSING: nixl tests will skip'}"]
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[netns.TwoHosts]:
+    """Two simulated hosts (tests/netns.py), removed with every process started in
+    them however the test ends; skips, naming why, where namespaces cannot be made."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    hosts = netns.TwoHosts()
+    try:
+        yield hosts.start()
+    finally:
+        hosts.close()

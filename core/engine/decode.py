@@ -188,7 +188,7 @@ class DecodeLegs:
         blocks = tuple(interleave([group[first:last] for group in groups]))
         self.plan.expects.append(
             Expect(request_id, leg.transfer_id, named.producers, blocks, first * len(groups),
-                   named.engine, named.epochs)
+                   named.engine, named.epochs, named.network)
         )  # fmt: skip
         return True
 

@@ -22,6 +22,7 @@ class Expect:
     skip_blocks: int
     engine: str = ""  # the producer's engine id, as the decode leg names it
     epochs: tuple[str, ...] = ()  # each producer rank's boot, as the decode leg names them
+    network: str = ""  # where the producer's loopback leads, as the decode leg names it
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Announce:
     producers: tuple[str, ...]
     engine: str = ""  # as Expect's
     epochs: tuple[str, ...] = ()
+    network: str = ""
 
 
 @dataclass(frozen=True)

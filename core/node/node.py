@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from kvpush.addresses import loopback_problem, network_id
 from kvpush.backend import DeviceKV
 from kvpush.backend.plugins import Backends, get_backends
 from kvpush.errors import KVPushError
@@ -52,8 +53,9 @@ class NodeConfig:
     role: str = "both"
     rank: int = 0
     world: int = 1
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address peers dial, advertised
     port: int = 0
+    listen: str = ""  # where the side channel binds ("": `host`)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     secret: bytes = b""
@@ -62,6 +64,9 @@ class NodeConfig:
     connect_timeout_s: float = 5.0
     handshake_s: float = 10.0  # from connect to paired, or the link is dropped
     epoch: str = field(default_factory=lambda: os.urandom(4).hex())
+    # Where this process's loopback leads (kvpush.addresses.network_id): a producer
+    # elsewhere that advertises a loopback address is refused before any dial.
+    network: str = field(default_factory=network_id)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -184,7 +189,8 @@ class Node:
             self.wall,
         )
         if config.role in ("producer", "both"):
-            self.listener = Listener(self.loop, config.host, config.port, self.links.accept)
+            listen = config.listen or config.host
+            self.listener = Listener(self.loop, listen, config.port, self.links.accept)
         self.loop.add_poller(self)
 
     @property
@@ -192,7 +198,9 @@ class Node:
         """host:port of this node's side channel (producers and kv_both only)."""
         if self.listener is None:
             raise KVPushError("this node does not listen: its role is consumer")
-        return f"{self.listener.host}:{self.listener.port}"
+        # Bound to every interface, the listener's own address says nothing to peers.
+        host = self.config.host if self.config.listen else self.listener.host
+        return f"{host}:{self.listener.port}"
 
     def close(self) -> None:
         """Close connections (peers see it at once), release NIXL, stop the loop, then
@@ -219,9 +227,14 @@ class Node:
 
     # -- engine API (any thread) -------------------------------------------------------
 
-    def announce(self, transfer_id: str, producer: str, engine: str = "", epoch: str = "") -> None:
+    def announce(
+        self, transfer_id: str, producer: str, engine: str = "", epoch: str = "", network: str = ""
+    ) -> None:
         """Consumer: a request for this transfer arrived; blocks come later. The
-        producer at `producer` must be engine `engine` in boot `epoch` when given."""
+        producer at `producer` must be engine `engine` in boot `epoch` when given;
+        `network`: where its loopback leads, as its identity says ("": unknown)."""
+        if self._loopback_refused([producer], network):
+            return  # expect() fails the transfer, with the reason
         self._submit_fn(
             lambda now: self.consumer.announce(transfer_id, producer, now, engine, epoch),
             transfer_id,
@@ -235,12 +248,17 @@ class Node:
         skip_blocks: int = 0,
         engine: str = "",
         epoch: str = "",
+        network: str = "",
     ) -> None:
         """Consumer: these blocks wait for `transfer_id`'s KV from `producer` (host:port,
         in boot `epoch` when given), or from each of several producer ranks (Sources);
-        every one must be engine `engine` when given."""
+        every one must be engine `engine` when given, on `network` (as announce's)."""
         blocks = [int(b) for b in block_ids]
         sources = [Source(producer, epoch)] if isinstance(producer, str) else list(producer)
+        problem = self._loopback_refused([s.peer for s in sources], network)
+        if problem:
+            self.loop.call_soon(self._refuse_transfer, transfer_id, problem)
+            return
 
         def run(now: float) -> list[act.Action]:
             assert self.data is not None
@@ -351,6 +369,20 @@ class Node:
             return self.consumer.abort(transfer_id, now) + self.producer.abort(transfer_id, now)
 
         self._submit_fn(run, transfer_id)
+
+    def _loopback_refused(self, peers: list[str], network: str) -> str | None:
+        """Why a producer on `network` must not be dialled at `peers`, or None."""
+        for peer in peers:
+            problem = loopback_problem(peer, network, self.config.network)
+            if problem:
+                return problem
+        return None
+
+    def _refuse_transfer(self, transfer_id: str, problem: str) -> None:
+        """A claim ends before any dial: nothing was sent, so nothing can land."""
+        assert self.interpreter is not None
+        self.metrics.inc("handshakes", result="refused")
+        self.interpreter.report("failed", transfer_id, "handshake_failed", problem)
 
     def take_results(self) -> list[Outcome]:
         """Outcomes since the last call, oldest first."""

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.identities import TIMEOUT_S as IDENTITY_TIMEOUT_S
 from kvpush.identities import (
     IdentityError,
     InstanceIdentity,
@@ -47,6 +48,7 @@ from kvpush.router.legs import (
     openai_error,
     prefill_leg,
 )
+from kvpush.router.reach import identity_unreachable
 from kvpush.router.request import (
     ANSWERED,
     TRACE,
@@ -67,6 +69,7 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 # beyond aiohttp's default of 128 would otherwise wait out SYN retries (uvicorn,
 # vLLM's server, queues 2048).
 BACKLOG = 2048
+IDENTITY_TIMEOUT = aiohttp.ClientTimeout(total=IDENTITY_TIMEOUT_S)
 
 
 # Client headers both legs carry: credentials for `--api-key` servers, and the id
@@ -566,6 +569,7 @@ class Router(FirstTokenStreams):
             return failure
         self.metrics.inc("kv_load_failures")
         message = f"decode instance {decode.url} could not load the prompt's KV: {reasons[-1]}"
+        log.warning("kvpush router: %s", message)  # the client is told; the operator too
         return LegFailed(failure.status, message, "kv_transfer_error", instance=decode)
 
     def _pair_problem(self, prefill: Instance, decode: Instance) -> str | None:
@@ -597,14 +601,13 @@ class Router(FirstTokenStreams):
 
     async def _fetch_identity(self, instance: Instance, url: str) -> InstanceIdentity:
         try:
-            async with self._http().get(url) as response:
+            # Bounded on its own: a port that never answers must not hold a request
+            # for the legs' idle timeout.
+            async with self._http().get(url, timeout=IDENTITY_TIMEOUT) as response:
                 answer = await response.json()
-        except (aiohttp.ClientError, ValueError) as exc:
-            raise LegFailed(
-                502,
-                f"{instance.role} instance {instance.url} has no kvpush identity at {url} ({exc}): "
-                "is it running KVPushConnector with identity_port set?",
-            ) from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            why = identity_unreachable(instance.role, instance.url, url, exc, IDENTITY_TIMEOUT_S)
+            raise LegFailed(502, why) from exc
         try:
             identity = parse_identity(answer, f"{url}'s answer")
         except IdentityError as exc:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.addresses import choose_host, wildcard
 from kvpush.errors import ConfigError
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.handshake import ROLES
@@ -51,8 +52,9 @@ class ConnectorConfig:
     """What kv_connector_extra_config may hold (all optional).
 
     mode: "push" (default) or "pull".
-    host: address peers reach this instance's side channel on (default 127.0.0.1;
-        use the host's routable address across machines).
+    host: address peers reach this instance on, advertised in its identity (default:
+        $VLLM_HOST_IP, else the address of the interface the default route leaves by,
+        else 127.0.0.1; kvpush.addresses.choose_host).
     port: side-channel port of the first worker; TP rank r of DP rank d listens on
         port + d * tp_size + r (0: any free).
     identity_port: where this instance serves GET /query, its kvpush identity for
@@ -98,7 +100,7 @@ class ConnectorConfig:
     """
 
     mode: str = "push"
-    host: str = "127.0.0.1"
+    host: str = ""  # "": chosen at construction (choose_host)
     port: int = 0
     identity_port: int = 0
     bootstrap_port: int = 0
@@ -113,6 +115,22 @@ class ConnectorConfig:
     ucx_error_handling: str = "none"
     device_options: dict[str, Any] = field(default_factory=dict)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    # Where every listener binds (side channels, identity and bootstrap endpoints); no
+    # setting of its own. A `host` the operator set is the interface they chose for
+    # kvpush: listening there alone keeps the endpoints (the identity endpoint's
+    # routes change state too) off the other interfaces of a multi-homed host. A
+    # chosen `host` binds every interface, as vLLM's API server does by default:
+    # routers name the identity endpoint by the host of the instance's API URL,
+    # which may be any of its addresses (localhost on one host, a cluster network
+    # that is not the default route's), and peers dial the advertised address.
+    listen: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            object.__setattr__(self, "host", choose_host())
+            object.__setattr__(self, "listen", self.listen or wildcard(self.host))
+        elif not self.listen:
+            object.__setattr__(self, "listen", self.host)
 
     @property
     def layerwise(self) -> bool:
@@ -138,7 +156,7 @@ class ConnectorConfig:
             )
         if "secret" in extra:
             raise ConfigError(INLINE_SECRET)
-        plain = {f.name for f in dataclasses.fields(cls)} - {"protocol"}
+        plain = {f.name for f in dataclasses.fields(cls)} - {"protocol", "listen"}
         unknown = sorted(set(extra) - plain - _PROTOCOL_KEYS)
         if unknown:
             raise ConfigError(
@@ -177,6 +195,11 @@ def _checked(key: str, value: Any) -> Any:
         return float(value)
     if key == "push_granularity" and value not in GRANULARITIES:
         raise ConfigError(f"push_granularity must be one of {GRANULARITIES}, got {value!r}")
+    if key == "host" and value.strip("[]") in ("", "0.0.0.0", "::"):
+        raise ConfigError(
+            f"host must be an address peers can dial, got {value!r}: kvpush listens on "
+            "every interface by itself when host is not set"
+        )
     if key == "mode" and value not in ("push", "pull"):
         raise ConfigError(f"mode must be 'push' or 'pull', got {value!r}")
     if key in ("port", "identity_port", "bootstrap_port") and not 0 <= value < 65536:

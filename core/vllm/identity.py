@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvpush.addresses import network_id
 from kvpush.identities import InstanceIdentity, RankIdentity, dp_siblings, mooncake_query
 from kvpush.vllm.config import ConnectorConfig, rank_port
 from kvpush.vllm.metadata import KVPushHandshake
@@ -116,12 +117,12 @@ class IdentityService:
         if self.identity_server is None:
             port = rank_port(self.config.identity_port, self.dp_rank)
             self.identity_server = IdentityServer(
-                self.config.host, port, {"/query": lambda _: self.identity().to_query(), **routes}
+                self.config.listen, port, {"/query": lambda _: self.identity().to_query(), **routes}
             )
         if self.config.bootstrap_port and self.dp_rank == 0 and self.bootstrap_server is None:
             query = {"/query": lambda _: mooncake_query(self._dp_identities())}
             self.bootstrap_server = IdentityServer(
-                self.config.host, self.config.bootstrap_port, query
+                self.config.listen, self.config.bootstrap_port, query
             )
 
     def identity(self) -> InstanceIdentity:
@@ -139,6 +140,7 @@ class IdentityService:
             dp_rank=self.dp_rank,
             data_parallel=self.data_parallel,
             seeds_rewind=self.seeds_rewind,
+            network=network_id(),
             addresses=[self._ranks[r].address for r in sorted(self._ranks)],
             ranks=[
                 RankIdentity(r, h.address, h.epoch, h.agent) for r, h in sorted(self._ranks.items())

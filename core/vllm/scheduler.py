@@ -449,13 +449,13 @@ class SchedulerSide:
 
 
 def _announce(transfer_id: str, params: dict[str, Any]) -> Announce:
-    """The producer a (completed) decode leg names: each rank's address, the engine,
-    and each rank's boot."""
+    """The producer a (completed) decode leg names: ranks, engine, boots, network."""
     return Announce(
         transfer_id,
         tuple(params["remote_addresses"]),
         str(params.get("remote_engine_id") or ""),
         tuple(str(params.get("remote_epoch") or "").split(EPOCH_SEPARATOR)),
+        str(params.get("remote_network") or ""),
     )
 
 

@@ -210,6 +210,7 @@ class WorkerSide:
             world=self.world,
             host=self.config.host,
             port=port,
+            listen=self.config.listen,
             protocol=self.config.protocol,
             agent=self.config.agent,
             secret=load_secret(self.config),
@@ -257,7 +258,10 @@ class WorkerSide:
             node.kv_pending(pending.transfer_id, pending.sequential)
         for announce in meta.announces:
             for source in self._sources(announce.producers, announce.epochs):
-                node.announce(announce.transfer_id, source.peer, announce.engine, source.epoch)
+                node.announce(
+                    announce.transfer_id, source.peer, announce.engine, source.epoch,
+                    announce.network,
+                )  # fmt: skip
         for expect in meta.expects:
             self._outcomes.receiving(expect.request_id, expect.transfer_id)
             node.expect(
@@ -266,6 +270,7 @@ class WorkerSide:
                 expect.block_ids,
                 expect.skip_blocks,
                 expect.engine,
+                network=expect.network,
             )
         for tid in meta.aborts:
             node.abort(tid)

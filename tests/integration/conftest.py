@@ -5,7 +5,7 @@ import os
 import select
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +17,16 @@ PEER_SCRIPT = Path(__file__).with_name("peer_main.py")
 class RemotePeer:
     """An agent_peer.py process; call() sends one command and waits for its answer."""
 
-    def __init__(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
+    def __init__(self, start: Callable[..., subprocess.Popen] = subprocess.Popen, **env: str):
+        """`start`: how to start the process (another host's, say: tests/netns.py);
+        `env`: variables for it, beside this process's."""
+        self.proc = start(
             [sys.executable, str(PEER_SCRIPT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=env,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
         )
 
     def call(self, op: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:

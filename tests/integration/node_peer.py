@@ -29,6 +29,7 @@ from kvpush.layout import Shard
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.node.faults import Faults
 from kvpush.protocol.config import ProtocolConfig
+from kvpush.vllm.config import ConnectorConfig
 
 GATE = threading.Event()
 GATE.set()
@@ -65,8 +66,12 @@ class NodePeer:
         heads: int = 0,
         tokens: int = 0,
         faults: dict | None = None,
+        host: str | None = "127.0.0.1",
+        network: str = "",
         **protocol: float,
     ) -> None:
+        """`host`: the address to advertise (None: the connector's default choice);
+        `network`: where this node's loopback leads (""; its own)."""
         self.cache = None
         # Each rank holds its share of the model's KV heads (one each unless `heads`).
         self.shard = Shard(rank, world, heads or world)
@@ -90,13 +95,18 @@ class NodePeer:
         else:
             self._init_buffers(device, layers, blocks, block_bytes, fill)
         self.kv.layout = msgspec.structs.replace(self.kv.layout, shard=self.shard)
+        # The side channel's address and binding as the connector decides them.
+        where = ConnectorConfig.from_extra({} if host is None else {"host": host})
         config = NodeConfig(
             engine_id,
             role,
             rank=rank,
             world=world,
+            host=where.host,
+            listen=where.listen,
             protocol=ProtocolConfig(mode=mode, **protocol),
             secret=secret.encode(),
+            **({"network": network} if network else {}),
         )
         self.faults = Faults(**faults) if faults else None
         self.node = Node(config, self.kv, self.backends, faults=self.faults).start()
@@ -118,7 +128,10 @@ class NodePeer:
 
     def hello(self) -> dict:
         listening = self.node.config.role != "consumer"
-        reply = {"address": self.node.address if listening else None}
+        reply = {
+            "address": self.node.address if listening else None,
+            "network": self.node.config.network,
+        }
         if self.cache is not None:
             reply.update(path=self.kv.path, mem_type=self.kv.layout.mem_type, device=self.kv.device)
         return reply
@@ -127,11 +140,14 @@ class NodePeer:
         tensor = self.tensors[name]
         return tensor.memory if isinstance(tensor, GatedTensor) else tensor
 
-    def expect(self, tid: str, producer: str | list, blocks: list[int], skip: int = 0) -> dict:
-        """`producer`: an address, or [address, parts] for each producer rank."""
+    def expect(
+        self, tid: str, producer: str | list, blocks: list[int], skip: int = 0, network: str = ""
+    ) -> dict:
+        """`producer`: an address, or [address, parts] for each producer rank;
+        `network`: the producer's, as its identity would say."""
         if not isinstance(producer, str):
             producer = [Source(address, "", parts) for address, parts in producer]
-        self.node.expect(tid, producer, blocks, skip)
+        self.node.expect(tid, producer, blocks, skip, network=network)
         return {}
 
     def kv_ready_heads(self, tid: str, blocks: list[int], base: int) -> dict:

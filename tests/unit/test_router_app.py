@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvpush.addresses import loopback_problem
 from kvpush.identities import InstanceIdentity, decode_params, parse_identity
 from kvpush.ports import free_port
 from kvpush.router.app import Router, RouterConfig, event_loop
@@ -703,3 +705,24 @@ def test_auto_is_uvloop_and_an_unknown_loop_is_refused():
         loop.close()
     with pytest.raises(ValueError, match="unknown event loop 'trio'"):
         event_loop("trio")
+
+
+def test_a_loopback_producer_refused_by_decode_reaches_the_client_and_the_log(caplog):
+    """Decode refused a prefill that advertised loopback from another host: its trace
+    says so, and the router tells the client and logs it."""
+    why = "handshake_failed: " + loopback_problem("127.0.0.1:38503", "theirs", "ours")
+
+    def traces(decode: Fake) -> list[dict]:
+        named = [b["kv_transfer_params"]["transfer_id"] for b in decode.bodies]
+        return [{"transfer_id": tid, "marks": {}, "error": why} for tid in named]
+
+    identity = _identity("p", 128)
+    with caplog.at_level(logging.WARNING, logger="kvpush.router.app"):
+        answers, _, _ = run(
+            _paired(identity, [identity], requests=1, decode_answer=internal_error,
+                    decode_traces=traces)
+        )  # fmt: skip
+    ((status, answer),) = answers
+    assert (status, answer["error"]["type"]) == (500, "kv_transfer_error")
+    assert "127.0.0.1:38503, a loopback address" in answer["error"]["message"]
+    assert any("127.0.0.1:38503, a loopback address" in r.getMessage() for r in caplog.records)
