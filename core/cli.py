@@ -7,13 +7,17 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvpush.errors import KVPushError
 from kvpush.router import LOOPS
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """kvpush's reaches into the installed vLLM, probed without starting an engine."""
+    """kvpush's reaches into the installed vLLM, probed without starting an engine;
+    or, given wheels or records, kvpush's contract with each, read from its source."""
+    if args.vllm_wheel or args.vllm_record:
+        return _contract(args)
     from kvpush.vllm.hooks import probe
 
     rows = probe()
@@ -22,11 +26,29 @@ def _doctor(args: argparse.Namespace) -> int:
         return 0
     for row in rows:
         state = "ok" if row["would_attach"] else f"OFF ({row['problem']})"
+        state = state if row["applies"] else "n/a (nothing to reach in this vLLM)"
         versions = ",".join(row["verified"])
         print(f"{row['hook']:<20} vLLM {row['vllm']:<12} verified on {versions}: {state}")
         if not row["would_attach"]:
             print(f"{'':<20} costs: {row['cost_when_off']}")
     return 0
+
+
+def _contract(args: argparse.Namespace) -> int:
+    """Check each wheel (pip download vllm==X --no-deps) or record; --record writes
+    each wheel's record too. Exit status 1 if any version fails the check."""
+    from kvpush.vllm import contract
+
+    recorded = [contract.record(wheel) for wheel in args.vllm_wheel]
+    for wheel in args.vllm_wheel if args.record else ():
+        print(f"recorded {contract.write_record(wheel, args.record)}", file=sys.stderr)
+    recorded += [json.loads(Path(path).read_text()) for path in args.vllm_record]
+    checked = {r["vllm"]: contract.check(r) for r in recorded}
+    if args.json:
+        print(json.dumps(checked, indent=2))
+    else:
+        print(contract.side_by_side(checked))
+    return 0 if all(contract.passes(rows) for rows in checked.values()) else 1
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -230,6 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check kvpush's hooks into the installed vLLM (without starting it)"
     )
     doctor.add_argument("--json", action="store_true")
+    doctor.add_argument(
+        "--vllm-wheel", action="append", default=[], metavar="PATH",
+        help="check kvpush's contract with this vLLM wheel's source, not installing it "
+        "(pip download vllm==X --no-deps); repeat for several, side by side",
+    )  # fmt: skip
+    doctor.add_argument(
+        "--vllm-record", action="append", default=[], metavar="JSON",
+        help="check against a recorded contract surface (tests/vllm_contracts/X.json)",
+    )  # fmt: skip
+    doctor.add_argument(
+        "--record", metavar="DIR", help="also write each wheel's record as DIR/<version>.json"
+    )
     doctor.set_defaults(run=_doctor)
 
     bench = commands.add_parser("bench", help="benchmarks")

@@ -62,3 +62,14 @@ def seeds_rewind() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.device_type == "cuda"
+
+
+def reads_no_external_kv(request: Any) -> bool:
+    """Whether vLLM drops a connector's match for this request and computes its
+    prompt itself: a request asking for prompt logprobs, or told to skip cached KV.
+    vLLM 0.34 says so as skip_reading_external_kv; 0.32 and 0.33 as
+    skip_reading_prefix_cache."""
+    flag = getattr(request, "skip_reading_external_kv", None)
+    if flag is None:
+        flag = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(flag)

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.identities import PROMPT_CUT
 from kvpush.vllm import hooks
-from kvpush.vllm.compat import seeds_rewind, warn_known_defects
+from kvpush.vllm.compat import reads_no_external_kv, seeds_rewind, warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
 from kvpush.vllm.groups import (
     leave_last_token,
@@ -67,6 +67,20 @@ def _cpu_attention(vllm_config: VllmConfig) -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.device_type == "cpu" and not vllm_config.model_config.use_mla
+
+
+def _computes_prompt_here(scheduler: SchedulerSide, request: Any) -> None:
+    """vLLM drops a decode leg's match and computes its prompt (prompt logprobs): let
+    the producer free its KV now, not when this request ends, and say so, as vLLM
+    does it whatever kv_load_failure_policy says."""
+    request.kv_transfer_params["do_remote_prefill"] = False  # not matched again
+    scheduler.ledger.decode.finished(request.request_id)  # tells the producer
+    scheduler._recomputed(
+        "prompt_logprobs",
+        f"request {request.request_id} asks for prompt logprobs, for which vLLM computes "
+        "the prompt itself and reads no transferred KV, whatever kv_load_failure_policy "
+        "says; its transfer is released",
+    )
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -124,6 +138,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             if config.park_workers:
                 hooks.prepare_step_notify()
             hooks.bound_reader_spin(config.reader_spin_s, executor_side=True)
+            hooks.bound_engine_spin(config.reader_spin_s)
             hooks.RECORD.log_attached("scheduler")
         else:
             from vllm.distributed.parallel_state import (
@@ -162,7 +177,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        scheduler = self._sched()
+        tokens, load_async = scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        if tokens and reads_no_external_kv(request):
+            _computes_prompt_here(scheduler, request)
+            return 0, False
+        return tokens, load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -205,6 +225,23 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().set_handshakes(ranks)
 
     # -- worker side -------------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM (0.33 sleep, 0.34 also a layer-by-layer weight update) frees the KV
+        # cache's memory after this and maps new memory at the same addresses later.
+        # Peers hold this registration; refusing keeps them from writing into
+        # memory vLLM gave away, before any weight or block changes.
+        raise RuntimeError(
+            "kvpush cannot follow vLLM releasing the KV cache's memory (sleep, "
+            "release_kv_cache_memory, or a layer-by-layer weight update short of "
+            "memory): its NIXL registration, which peers write into, would go stale. "
+            "Leave memory for weight updates (a lower gpu_memory_utilization) or serve "
+            "with --no-enable-extensible-kv-cache"
+        )
+
+    def restore_kv_caches(self) -> None:
+        # unregister_kv_caches refuses, so nothing was released to restore.
+        return None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # What the scheduler hands out, to check the tensors against.
@@ -273,8 +310,19 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        # vLLM 0.33: sleep mode moves the KV cache; NIXL keeps the old registration.
+        # Sleep mode (vLLM 0.33 on) remaps the KV cache; peers keep the old registration.
         return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        # vLLM 0.34 asks how the KV cache is reached before it allocates it. kvpush
+        # registers the device cache itself with NIXL (never through host buffers,
+        # whatever kv_buffer_device says), and peers on the host map it through UCX
+        # cuda_ipc: each segment must be one physical allocation, as NIXL's own
+        # connector answers on devices it registers.
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -1,7 +1,7 @@
 """Every reach into vLLM past its connector contract, in this one module.
 
 KVConnectorBase_V1 hands a connector the scheduler's and the workers' calls, not the
-objects around them. kvpush reaches past it ten times, each a Hook below: what it
+objects around them. kvpush reaches past it eleven times, each a Hook below: what it
 touches, the vLLM versions it was read and tested against, and what a deployment
 pays where it is absent. On a vLLM outside a hook's versions, a hook that changes
 vLLM's state (`risky`) stays off; one that only reads is tried, and fails soft.
@@ -45,6 +45,9 @@ tens of milliseconds long, spins a core in each worker between requests, and the
 engine process spins likewise on its workers' result queues during each step. On
 kvpush instances each of those readers spins `reader_spin_s` (2 ms: longer than the
 gap between two steps of a busy engine, so under load they still never sleep).
+vLLM 0.34 adds a spin of its own in the engine process, up to a second per step
+while it waits for its workers' results (taking in requests meanwhile); engine_spin
+bounds it by the same `reader_spin_s`.
 """
 
 from __future__ import annotations
@@ -70,7 +73,11 @@ log = logging.getLogger(__name__)
 # parked worker wakes this often to look: 0.5 % of a core at 10 ms here (0.17 % at
 # 50 ms), against the core a spinning one burns.
 PARKED_RECHECK_MS = 10
+# What "verified" means for each release a hook names: read here is its source, read
+# from its wheel by kvpush.vllm.contract; run is the e2e suite on vLLM's CPU build.
+VERIFIED_ON = {"0.32.0": "run", "0.33.0": "read", "0.34.0": "read"}
 _RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
+_ENGINE_SPIN = "_INPUT_SPIN_DURATION_S"
 OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
 
 
@@ -78,7 +85,7 @@ OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
 class Hook:
     name: str
     reaches: str  # the private thing it touches
-    verified: tuple[str, ...]  # vLLM version prefixes it was read and tested against
+    verified: tuple[str, ...]  # vLLM releases it was read or run against (VERIFIED_ON)
     risky: bool  # it changes vLLM's state: off on a vLLM it was not verified on
     cost: str  # what a deployment pays where it is absent
 
@@ -89,7 +96,7 @@ HOOKS = {
         Hook(
             "connector_registry",
             "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory._registry",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             False,
             "registering twice raises: KVPushConnector may not be nameable in "
             "--kv-transfer-config (name kv_connector_module_path instead)",
@@ -98,14 +105,14 @@ HOOKS = {
             "caller_kv_role",
             "the KVTransferConfig in the frame of vLLM's call asking whether the "
             "connector needs piecewise graphs",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             False,
             "a decode with layerwise on runs piecewise graphs, not full ones",
         ),
         Hook(
             "engine_inbox",
             "EngineCoreProc.input_queue.put, wrapped to ring the doorbell",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "a request or abort reaching an engine that waits on transfers is seen "
             "only after idle_wait_s",
@@ -114,7 +121,7 @@ HOOKS = {
             "idle_wait",
             "vLLM's engine loop, held in build_connector_meta while only transfers can "
             "change anything",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "an engine whose requests all wait for transfers runs about a thousand "
             "empty steps a second",
@@ -123,7 +130,7 @@ HOOKS = {
             "step_notify",
             "the executor's rpc_broadcast_mq._spin_condition.notify (the writing end of "
             "the workers' step queue), wrapped",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "a parked worker misses about half the steps written within a millisecond "
             "of the one before, and sees each only at its recheck "
@@ -133,17 +140,26 @@ HOOKS = {
             "reader_spin",
             "busy_loop_s of the reading end of a worker's rpc_broadcast_mq and of the "
             "executor's response_mqs (shm_broadcast.SpinCondition)",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "each worker, and the engine process during a step, spins a core for a "
             "second after every read, between requests too",
+        ),
+        Hook(
+            "engine_spin",
+            "vllm.v1.engine.core._INPUT_SPIN_DURATION_S, which the engine process "
+            "reads on every step it waits for its workers' results",
+            ("0.34.0",),
+            True,
+            "the engine process spins up to a second of a core on every step, while "
+            "its workers compute",
         ),
         Hook(
             "window_margin",
             "SlidingWindowSpec.extra_retained_tokens of a producer's sliding-window KV "
             "cache groups (the KVCacheConfig vLLM's Scheduler builds its KV cache "
             "manager from), raised by one before that manager exists",
-            ("0.32",),
+            ("0.32.0",),
             True,
             "a prefill instance of a sliding-window model under the hybrid KV cache "
             "manager refuses to start (for one prompt in block_size, vLLM would free "
@@ -154,7 +170,7 @@ HOOKS = {
             "Scheduler.schedule (wrapped on the instance), Scheduler.requests and "
             "finished_recving_kv_req_ids, and KVConnectorOutput.finished_recving "
             "(ids already taken, removed)",
-            ("0.32",),
+            ("0.32.0",),
             True,
             "a landing reaches decode's scheduler only with the output of the step "
             "after it: one more step (an empty round trip to the workers when idle) "
@@ -164,7 +180,7 @@ HOOKS = {
             "prompt_cut",
             "a prefill leg's Request.prompt_token_ids, _all_token_ids and "
             "num_prompt_tokens, each one token shorter, from on_new_request",
-            ("0.32",),
+            ("0.32.0",),
             True,
             "a prefill instance of a recurrent-state model (gated DeltaNet, Mamba) "
             "refuses to start (its decode would apply the prompt's last token twice)",
@@ -173,7 +189,7 @@ HOOKS = {
             "park_workers",
             "a worker's rpc_broadcast_mq._spin_condition.last_read and "
             "shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS",
-            ("0.32", "0.33"),
+            ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "decode's waiting workers spin, about a core each, while requests wait for KV",
         ),
@@ -204,8 +220,20 @@ def turned_off() -> set[str]:
     return names
 
 
+def matched(hook: Hook, version: str | None = None) -> str | None:
+    """The release among the hook's verified ones that this vLLM is (a local label
+    such as +cpu aside), or None: parsed, so "0.3" and "0.330" match nothing."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        public = Version(Version(version or vllm_version()).public)  # 0.32.0+cpu: 0.32.0
+    except InvalidVersion:
+        return None
+    return next((v for v in hook.verified if Version(v) == public), None)
+
+
 def verified(hook: Hook, version: str | None = None) -> bool:
-    return (version or vllm_version()).startswith(hook.verified)
+    return matched(hook, version) is not None
 
 
 class Record:
@@ -502,6 +530,25 @@ def warn_spinloop_extension() -> bool:
     return True
 
 
+# -- engine_spin (scheduler process, while vLLM builds the engine) ---------------------
+
+
+def bound_engine_spin(spin_s: float) -> bool:
+    """Spin at most `spin_s`, not vLLM's second, while the engine process waits for a
+    step's results (vLLM 0.34 takes in requests and aborts meanwhile; one that comes
+    later is taken when the step ends, as in vLLM before 0.34). vLLM reads the
+    constant on every step, so setting it now bounds every step. True if attached;
+    False, and quiet, on a vLLM without that spin."""
+    import importlib
+
+    core = importlib.import_module("vllm.v1.engine.core")
+    if not hasattr(core, _ENGINE_SPIN) or not RECORD.allowed("engine_spin"):
+        return False
+    setattr(core, _ENGINE_SPIN, min(spin_s, getattr(core, _ENGINE_SPIN)))
+    RECORD.attached("engine_spin")
+    return True
+
+
 # -- window_margin (scheduler process, a producer of a sliding-window model) ----------
 
 
@@ -618,14 +665,19 @@ def probe() -> list[dict[str, Any]]:
     rows = []
     for hook in HOOKS.values():
         problem = _static_problem(hook.name)
+        applies = problem != _NOT_HERE
         ok = verified(hook, version) or not hook.risky
         rows.append({
             "hook": hook.name, "reaches": hook.reaches, "verified": list(hook.verified),
-            "vllm": version, "would_attach": ok and not problem,
+            "vllm": version, "matched": matched(hook, version), "applies": applies,
+            "would_attach": applies and ok and not problem,
             "problem": problem or ("" if ok else f"vLLM {version} not verified"),
             "cost_when_off": hook.cost,
         })  # fmt: skip
     return rows
+
+
+_NOT_HERE = "this vLLM has no such spin"
 
 
 def _static_problem(name: str) -> str:
@@ -676,6 +728,10 @@ def _static_problem(name: str) -> str:
                 return "Request keeps no _all_token_ids"
             added = _source(Scheduler.add_request)
             return "" if "on_new_request(" in added else "add_request calls no on_new_request"
+        if name == "engine_spin":
+            from vllm.v1.engine import core
+
+            return "" if hasattr(core, _ENGINE_SPIN) else _NOT_HERE
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 

@@ -430,12 +430,11 @@ class SchedulerSide:
             if new.req_id in self.ledger.prefill.legs:
                 self.ledger.prefill.blocks_assigned(new.req_id, new.block_ids, resumed=True)
         cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()  # vLLM 0.34: sent as new
         for i, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            if request_id not in self.ledger.prefill.legs or new_blocks is None:
-                continue
-            resumed = request_id in cached.resumed_req_ids
-            self.ledger.prefill.blocks_assigned(request_id, new_blocks, resumed)
+            if request_id in self.ledger.prefill.legs and new_blocks is not None:
+                self.ledger.prefill.blocks_assigned(request_id, new_blocks, request_id in resumed)
 
     def _computed_after(self, out: Any, request_id: str) -> int:
         """How many of the request's tokens have KV once this step has run (prefix-cache

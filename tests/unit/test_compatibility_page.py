@@ -3,12 +3,14 @@ every refusal it quotes is the code's own text."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 PAGE = (ROOT / "docs" / "compatibility.md").read_text()
-ROWS = [line for line in PAGE.splitlines() if line.startswith("| ") and "---" not in line][1:]
+SHAPES = PAGE.split("\n## ")[0]  # the table of deployment shapes; versions have their own
+ROWS = [line for line in SHAPES.splitlines() if line.startswith("| ") and "---" not in line][1:]
 CODE = "\n".join(p.read_text() for p in (ROOT / "core").rglob("*.py"))
 
 
@@ -36,3 +38,15 @@ def test_every_row_says_how_it_was_checked_or_that_it_was_not():
         assert (
             cells[3] and (cells[3].startswith(("e2e", "NIXL", "layout")) or cells[3] in ("—",))
         ) or "not in the e2e suite" in cells[3], row
+
+
+def test_the_version_table_lists_every_recorded_vllm_and_how_it_was_checked():
+    versions = PAGE.split("## vLLM versions")[1].split("\n## ")[0]
+    rows = [line for line in versions.splitlines() if line.startswith("| 0.")]
+    recorded = sorted(p.stem for p in (ROOT / "tests" / "vllm_contracts").glob("*.json"))
+    assert sorted(row.split("|")[1].strip() for row in rows) == recorded
+    for row in rows:
+        version, e2e, read, gpu = (c.strip() for c in row.strip("|").split("|"))
+        sha = json.loads((ROOT / "tests" / "vllm_contracts" / f"{version}.json").read_text())
+        assert read.startswith("yes") and sha["sha256"][:8] in read, row
+        assert e2e and gpu, row

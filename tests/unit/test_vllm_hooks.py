@@ -21,7 +21,7 @@ def test_every_hook_declares_versions_a_target_and_a_cost():
     assert set(hooks.HOOKS) == {
         "connector_registry", "caller_kv_role", "engine_inbox", "idle_wait", "step_notify",
         "park_workers", "reader_spin", "window_margin", "landings_before_schedule",
-        "prompt_cut",
+        "prompt_cut", "engine_spin",
     }  # fmt: skip
     for hook in hooks.HOOKS.values():
         assert hook.verified and hook.reaches and hook.cost, hook
@@ -42,11 +42,11 @@ def test_on_an_unverified_vllm_the_risky_hooks_stay_off_and_say_what_it_costs(
             hooks.allow_prompt_cut()
     states = record.snapshot()
     for name in ("idle_wait", "engine_inbox", "step_notify", "park_workers", "reader_spin"):
-        assert states[name] == "off: vLLM 0.40.1 is not among 0.32, 0.33", states
+        assert states[name] == "off: vLLM 0.40.1 is not among 0.32.0, 0.33.0, 0.34.0", states
         assert hooks.HOOKS[name].cost in caplog.text
-    assert states["landings_before_schedule"] == "off: vLLM 0.40.1 is not among 0.32", states
+    assert states["landings_before_schedule"] == "off: vLLM 0.40.1 is not among 0.32.0", states
     assert hooks.HOOKS["landings_before_schedule"].cost in caplog.text
-    assert states["prompt_cut"] == "off: vLLM 0.40.1 is not among 0.32", states
+    assert states["prompt_cut"] == "off: vLLM 0.40.1 is not among 0.32.0", states
     record.missed("idle_wait", "again")  # one warning per hook, not one per call
     assert caplog.text.count("hook idle_wait is off") == 1
 
@@ -62,7 +62,48 @@ def test_on_the_installed_vllm_the_idle_wait_attaches_and_is_listed(record, capl
 def test_doctor_finds_every_target_in_the_installed_vllm():
     rows = {row["hook"]: row for row in hooks.probe()}
     assert set(rows) == set(hooks.HOOKS)
-    assert all(row["would_attach"] for row in rows.values()), rows
+    # vLLM 0.32 has no engine spin to bound; every other hook attaches, matching 0.32.0.
+    assert [name for name, row in rows.items() if not row["applies"]] == ["engine_spin"]
+    applying = [row for row in rows.values() if row["applies"]]
+    assert all(row["would_attach"] for row in applying), rows
+    assert {row["matched"] for row in applying} == {"0.32.0"}
+
+
+@pytest.mark.parametrize(
+    ("version", "matched"),
+    [("0.32.0", "0.32.0"), ("0.32.0+cpu", "0.32.0"), ("0.34.0", "0.34.0"), ("0.3", None),
+     ("0.330", None), ("0.33.0rc1", None), ("0.32.1", None), ("unknown", None)],
+)  # fmt: skip
+def test_the_version_gate_compares_parsed_releases(version, matched):
+    assert hooks.matched(hooks.HOOKS["idle_wait"], version) == matched
+
+
+def test_the_engine_spin_is_bounded_where_vllm_has_it_and_loud_where_unverified(
+    record, monkeypatch, caplog
+):
+    from vllm.v1.engine import core
+
+    monkeypatch.setattr(core, "_INPUT_SPIN_DURATION_S", 1.0, raising=False)
+    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.34.0")
+    assert hooks.bound_engine_spin(0.002) is True
+    assert core._INPUT_SPIN_DURATION_S == 0.002
+    assert record.snapshot() == {"engine_spin": "attached"}
+    monkeypatch.setattr(core, "_INPUT_SPIN_DURATION_S", 1.0)
+    monkeypatch.setattr(hooks, "RECORD", hooks.Record())  # another process
+    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.35.0")
+    with caplog.at_level(logging.WARNING, logger="kvpush"):
+        assert hooks.bound_engine_spin(0.002) is False
+    assert core._INPUT_SPIN_DURATION_S == 1.0
+    assert hooks.HOOKS["engine_spin"].cost in caplog.text
+
+
+def test_on_a_vllm_without_the_engine_spin_that_hook_stays_quiet(record, caplog):
+    from vllm.v1.engine import core
+
+    assert not hasattr(core, "_INPUT_SPIN_DURATION_S")  # vLLM 0.32, as installed here
+    with caplog.at_level(logging.WARNING, logger="kvpush"):
+        assert hooks.bound_engine_spin(0.002) is False
+    assert record.snapshot() == {} and "engine_spin" not in caplog.text
 
 
 def test_an_operator_turns_a_hook_off_by_name_and_a_misspelt_name_is_an_error(

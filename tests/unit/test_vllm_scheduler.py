@@ -902,3 +902,34 @@ def _output(meta):
     return SimpleNamespace(
         kv_connector_worker_meta=meta, finished_sending=None, finished_recving=None
     )
+
+
+def _step_as(vllm: str, new=(), cached=(), scheduled=None, resumed=()):
+    """A SchedulerOutput as that vLLM makes it: 0.32 and 0.33 name resumed requests in
+    resumed_req_ids; 0.34 has no such field and re-sends them whole among the new ones."""
+    if vllm == "0.34":
+        new = [*new, *((r, 300, b, c) for r, b, c in cached if r in resumed)]
+        step = _step(new, [c for c in cached if c[0] not in resumed], scheduled)
+        del step.scheduled_cached_reqs.resumed_req_ids
+        return step
+    step = _step(new, cached, scheduled)
+    step.scheduled_cached_reqs.resumed_req_ids = set(resumed)
+    return step
+
+
+@pytest.mark.parametrize("vllm", ["0.32", "0.34"])
+def test_a_chunked_prefill_and_a_resumed_one_are_read_on_each_vllms_step_shape(vllm):
+    side = _side(granularity="layer")
+    request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.on_new_request(request)
+    side.build_connector_meta(_step_as(vllm, new=[("p1", 300, [4, 5], 0)], scheduled={"p1": 200}))
+    preempting = _step_as(vllm)
+    preempting.preempted_req_ids = {"p1"}
+    side.build_connector_meta(preempting)
+    resumed = _step_as(vllm, cached=[("p1", [7, 8], 0)], scheduled={"p1": 200}, resumed={"p1"})
+    assert side.build_connector_meta(resumed).produces == []
+    # Its next chunk: blocks appended to the resumed request's, not to the first ones.
+    meta = side.build_connector_meta(
+        _step_as(vllm, cached=[("p1", [9], 200)], scheduled={"p1": 100})
+    )
+    assert [(p.transfer_id, p.block_ids) for p in meta.produces] == [(_tid(300), (7, 8, 9))]
