@@ -6,6 +6,9 @@ KVPushError and turn it into a failed request; anything else is a bug.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class KVPushError(Exception):
     """Base of all kvpush errors."""
@@ -52,3 +55,9 @@ class ProtocolError(KVPushError):
 
 class AuthError(ProtocolError):
     """A message failed authentication or was replayed."""
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """The known word closest to a misspelt one, as " (did you mean 'x'?)"; "" if none is close."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -3,10 +3,14 @@
 Everything CUDA-specific goes through kvpush_cuda.runtime (torch.cuda, imported on
 first use); the layout is read from the live tensors by kvpush.backend.describe.
 
-device_options the backend reads (the `config` of describe and prepare_process):
-  staging: "off" (default; NIXL reads GPU memory directly, "auto" means the same) or
-      "host" (copy through pinned host buffers, for setups without GPUDirect);
-  pin_staging: pin the host buffers (default true);
+device_options the backend reads (the `config` of describe and prepare_process;
+OPTIONS, declared in its BackendInfo, so any other key is refused):
+  staging: "off" (default) and "auto" both mean direct: NIXL reads GPU memory, with
+      no fallback (unlike Neuron's "auto"); "host" copies through host buffers, for
+      setups without GPUDirect;
+  pin_staging: with staging "host", pin those buffers (cudaHostRegister; default
+      true; where the driver refuses, a warning and slower copies); false leaves
+      them pageable, for hosts short of lockable memory;
   dims: override the dimension names the engine integration passed;
   tokens_per_block: when the dims name no "tokens" dimension.
 """
@@ -37,6 +41,7 @@ from kvpush_cuda.staging import HostStaging
 
 NAME = "cuda"
 STAGING = ("off", "auto", "host")
+OPTIONS = ("staging", "pin_staging", "dims", "tokens_per_block")
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +58,9 @@ def staging_mode(config: Mapping[str, Any]) -> str:
     mode = config.get("staging", "off")
     if mode not in STAGING:
         raise ConfigError(f"device_options staging must be one of {STAGING}, got {mode!r}")
+    pin = config.get("pin_staging", True)
+    if not isinstance(pin, bool):
+        raise ConfigError(f"device_options pin_staging must be true or false, got {pin!r}")
     return "host" if mode == "host" else "off"
 
 
@@ -63,6 +71,7 @@ def kvpush_backend_info() -> BackendInfo:
         device_types=("cuda",),
         mem_types=("VRAM", "DRAM"),
         transfer_paths=("direct", "staged"),
+        device_options=OPTIONS,
     )
 
 
@@ -98,9 +107,7 @@ def kvpush_describe_kv(
     state = CudaState(dict(tensors), index)
     if staging_mode(config) == "off":
         return DeviceKV(NAME, f"cuda:{index}", layout, "direct", state=state)
-    state.staging = HostStaging(
-        tensors, dims, runtime, index, pin=bool(config.get("pin_staging", True))
-    )
+    state.staging = HostStaging(tensors, dims, runtime, index, pin=config.get("pin_staging", True))
     staged = host_layout(state.staging.host, dims, layout.tokens_per_block)
     log.info("kvpush cuda: KV on cuda:%d is staged through host memory (staging=host)", index)
     return DeviceKV(NAME, f"cuda:{index}", staged, "staged", state=state)

@@ -10,7 +10,7 @@ Two transfer paths:
 
 Everything Neuron-specific goes through kvpush_neuron.runtime (torch-neuronx, imported
 on first use). device_options the backend reads (the `config` of describe and
-prepare_process):
+prepare_process; OPTIONS, declared in its BackendInfo, so any other key is refused):
   staging: "auto" (default: direct when possible, else staged, with a warning saying
       why), "host" (always staged) or "off" (direct or a clear error);
   visible_cores / core_offset: this rank's NEURON_RT_VISIBLE_CORES (default: the
@@ -50,6 +50,7 @@ from kvpush_neuron.staging import HostStaging
 NAME = "neuron"
 DEVICE_TYPES = ("neuron", "xla")
 STAGING = ("auto", "host", "off")
+OPTIONS = ("staging", "visible_cores", "core_offset", "dims", "tokens_per_block")
 #: vllm-neuron's per-layer KV cache: K and V apart, (2, num_blocks, heads, block_size, dim).
 NEURON_KV_DIMS = ("kv", "blocks", "heads", "tokens", "dim")
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def kvpush_backend_info() -> BackendInfo:
         device_types=DEVICE_TYPES,
         mem_types=("VRAM", "DRAM"),
         transfer_paths=("direct", "staged"),
+        device_options=OPTIONS,
     )
 
 

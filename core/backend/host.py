@@ -50,7 +50,14 @@ def host_view(obj: Any) -> TensorView | None:
 
 @hookimpl
 def kvpush_backend_info() -> BackendInfo:
-    return BackendInfo(NAME, device_types=("cpu",), mem_types=("DRAM",), transfer_paths=("direct",))
+    # tokens_per_block: the only option it reads; vLLM's CPU layout names no tokens dimension.
+    return BackendInfo(
+        NAME,
+        device_types=("cpu",),
+        mem_types=("DRAM",),
+        transfer_paths=("direct",),
+        device_options=("tokens_per_block",),
+    )
 
 
 @hookimpl

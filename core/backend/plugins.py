@@ -9,6 +9,7 @@ who is asked first, and on which thread each hook runs).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,11 +19,14 @@ from typing import Any
 import pluggy
 
 from kvpush.backend import BackendInfo, DeviceKV, Probe, hookspecs
-from kvpush.errors import BackendError, BackendNotImplemented, ConfigError
+from kvpush.errors import BackendError, BackendNotImplemented, ConfigError, did_you_mean
 
 ENTRY_POINT_GROUP = "kvpush.backends"
 ENV_BACKENDS = "KVPUSH_BACKENDS"
 STAGE_DIRECTIONS = ("to_host", "to_device")
+log = logging.getLogger(__name__)
+# Backends already warned about taking device_options unchecked: once a process.
+_unchecked_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -138,12 +142,37 @@ class Backends:
     # -- process set-up, for every backend serving the device type ------------------
 
     def prepare_process(self, device_type: str, local_rank: int, config: Mapping[str, Any]) -> None:
+        self.check_device_options(config, device_type)
         self._pm.hook.kvpush_prepare_process(
             device_type=device_type, local_rank=local_rank, config=config
         )
 
     def init_runtime(self, device_type: str) -> None:
         self._pm.hook.kvpush_init_runtime(device_type=device_type)
+
+    def check_device_options(
+        self, options: Mapping[str, Any], device_type: str | None = None
+    ) -> None:
+        """Refuse a device_options key that no backend serving `device_type` (None: any
+        loaded backend) declares. A backend that declares none takes every key
+        unchecked, with a warning once."""
+        serving = [
+            b for b in self.loaded() if device_type is None or device_type in b.info.device_types
+        ]
+        if not options or not serving:
+            return  # no backend of this device: describe_kv says so, naming the device
+        undeclared = [b.name for b in serving if b.info.device_options is None]
+        if undeclared:
+            _warn_unchecked(undeclared, options)
+            return
+        known = sorted({key for b in serving for key in b.info.device_options or ()})
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            named = ", ".join(f"{key!r}{did_you_mean(key, known)}" for key in unknown)
+            names = ", ".join(b.name for b in serving)
+            raise ConfigError(
+                f"unknown device_options key(s) {named} for backend(s) {names}; known: {known}"
+            )
 
     # -- KV description: the first backend asked that recognises the tensors --------
 
@@ -213,6 +242,18 @@ class Backends:
         # One plugin answers; pluggy leaves a None answer out of the list.
         answers = caller(kv=kv, **kwargs)
         return answers[0] if answers else None
+
+
+def _warn_unchecked(names: list[str], options: Mapping[str, Any]) -> None:
+    fresh = [name for name in names if name not in _unchecked_warned]
+    if fresh:
+        _unchecked_warned.update(fresh)
+        log.warning(
+            "kvpush: backend(s) %s declare no device_options keys (BackendInfo.device_options): "
+            "%s reach them unchecked, so a misspelt key is not caught",
+            ", ".join(fresh),
+            sorted(options),
+        )
 
 
 def _device_of(tensor: Any) -> str:

@@ -14,6 +14,11 @@ class BackendInfo:
 
     `device_types` are the device types it acts on when `kvpush_prepare_process` and
     `kvpush_init_runtime` pass vLLM's platform device type (`current_platform.device_type`).
+
+    `device_options` are the keys of the connector's `device_options` it reads: any
+    other key is refused before the engine allocates, naming these. None declares
+    nothing, so keys reach the backend unchecked (with a warning, once): a misspelt
+    option would otherwise pick a transfer path silently.
     """
 
     name: str
@@ -21,6 +26,7 @@ class BackendInfo:
     mem_types: tuple[str, ...]
     transfer_paths: tuple[str, ...]
     missing: tuple[str, ...] = ()
+    device_options: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

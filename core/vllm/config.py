@@ -21,6 +21,7 @@ from kvpush.errors import ConfigError
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.handshake import ROLES
 from kvpush.transport.agent import AgentConfig
+from kvpush.vllm.upstream_keys import unknown_keys
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +158,9 @@ class ConnectorConfig:
         if "secret" in extra:
             raise ConfigError(INLINE_SECRET)
         plain = {f.name for f in dataclasses.fields(cls)} - {"protocol", "listen"}
-        unknown = sorted(set(extra) - plain - _PROTOCOL_KEYS)
+        unknown = set(extra) - plain - _PROTOCOL_KEYS
         if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config key(s) {unknown} for KVPushConnector; "
-                f"known: {sorted(plain | _PROTOCOL_KEYS)}"
-            )
+            raise ConfigError(unknown_keys(unknown, plain | _PROTOCOL_KEYS))
         timers = {k: extra.pop(k) for k in list(extra) if k in _PROTOCOL_KEYS}
         values = {k: _checked(k, v) for k, v in extra.items()}
         mode = values.get("mode", "push")

@@ -33,6 +33,7 @@ from kvpush.vllm.groups import (
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
+from kvpush.vllm.upstream_keys import check_buffer_device
 from kvpush.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -92,6 +93,11 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         load_secret(config)  # no secret, no start (unless insecure): in every process
+        from vllm.platforms import current_platform
+
+        check_buffer_device(
+            transfer.kv_buffer_device, current_platform.device_type, config.device_options
+        )
         engine_id = str(transfer.engine_id)
         parallel = vllm_config.parallel_config
         world = parallel.tensor_parallel_size
