@@ -277,3 +277,27 @@ def test_every_metric_a_user_page_names_is_exported():
 def test_configuration_lists_every_instance_metric():
     listed = set(re.findall(r"vllm:kvpush_\w+", section(page("configuration.md"), "## Metrics")))
     assert listed == instance_metric_names()
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to '-'."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def test_every_link_into_a_page_names_a_heading_it_has():
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    anchors = {
+        path.name: {
+            slug(line.lstrip("#"))
+            for line in path.read_text().splitlines()
+            if re.match(r"#{1,6} ", line)
+        }
+        for path in pages
+    }
+    for path in pages:
+        for target, anchor in re.findall(
+            r"\]\((?:docs/)?([\w-]+\.md)?#([\w-]+)\)", path.read_text()
+        ):
+            assert anchor in anchors[target or path.name], (path.name, target, anchor)
