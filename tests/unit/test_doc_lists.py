@@ -301,3 +301,21 @@ def test_every_link_into_a_page_names_a_heading_it_has():
             r"\]\((?:docs/)?([\w-]+\.md)?#([\w-]+)\)", path.read_text()
         ):
             assert anchor in anchors[target or path.name], (path.name, target, anchor)
+
+
+def test_coming_from_nixlconnector_maps_every_upstream_key_the_code_knows():
+    """Each NixlConnector setting the config check names (kvpush.vllm.upstream_keys) has
+    a row in vllm-gpu.md's mapping, and each kvpush key a row offers is a real one."""
+    from kvpush.vllm.upstream_keys import UPSTREAM_EXTRA
+
+    rows = table(section(page("vllm-gpu.md"), "## Coming from NixlConnector"))
+    upstream = {name for row in rows for name in re.findall(r"`\"?(\w+)", row[0])}
+    assert set(UPSTREAM_EXTRA) <= upstream, set(UPSTREAM_EXTRA) - upstream
+    keys = set(connector_keys())
+    offered = {
+        name
+        for row in rows
+        for name in re.findall(r"`\"?(\w+)\"?(?::|`)", row[1])
+        if name.endswith(("_s", "_backends")) or name in ("host", "port", "identity_port")
+    }
+    assert offered and offered <= keys, offered - keys
