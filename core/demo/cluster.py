@@ -109,7 +109,9 @@ class Cluster:
         return f"{server.url},bootstrap={port}" if port else server.url
 
     def identity_url(self, name: str, dp_rank: int = 0) -> str:
-        return f"http://127.0.0.1:{self.identity_ports[name] + dp_rank}"
+        server = self.servers.get(name)
+        host = server.spec.host if server else "127.0.0.1"
+        return f"http://{host}:{self.identity_ports[name] + dp_rank}"
 
     def start_router(
         self,

@@ -45,6 +45,12 @@ class ServerSpec:
     max_model_len: int = 2048
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Where the API listens and is reached: another address where the server runs
+    # behind `launcher` in a network of its own.
+    host: str = "127.0.0.1"
+    # What the server's command runs under, e.g. ["ip", "netns", "exec", NAME] for
+    # another network namespace; it must exec the command, keeping its process group.
+    launcher: list[str] = field(default_factory=list)
 
 
 class VllmServer:
@@ -56,7 +62,7 @@ class VllmServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        return f"http://{self.spec.host}:{self.spec.port}"
 
     @property
     def scratch(self) -> Path:
@@ -77,7 +83,7 @@ class VllmServer:
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(spec.model), "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(spec.port),
+            "--host", spec.host, "--port", str(spec.port),
             "--enforce-eager", "--dtype", "float32", "--seed", "0",
             "--max-model-len", str(spec.max_model_len),
         ]  # fmt: skip
@@ -113,7 +119,7 @@ class VllmServer:
         self.scratch.mkdir(exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
         self.process = subprocess.Popen(
-            self.command(),
+            [*self.spec.launcher, *self.command()],
             env=self.environment(),
             stdout=log,
             stderr=subprocess.STDOUT,
