@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvpush.bench import load, serve
+from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
 from kvpush.errors import KVPushError
 from kvpush.vllm.config import GRANULARITIES
@@ -186,7 +187,8 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main(settings: Settings, out: Path, as_json: bool) -> int:
-    report = Report(as_json)
+    rows_in_all = len(settings.granularities) * len(settings.lengths)
+    report = Report(as_json, Progress("kvpush bench handoff", "row", rows_in_all))
     rows = Handoff(settings, out, report).run()
     table = markdown(rows)
     (out / "table.md").write_text(table)

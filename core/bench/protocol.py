@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.backend.plugins import get_backends
+from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
 from kvpush.node import Node, NodeConfig
 from kvpush.protocol.config import ProtocolConfig
@@ -300,7 +301,8 @@ def _median_of(runs: list[PointResult]) -> PointResult:
 
 
 def main(points: tuple[int, ...], settings: Settings, as_json: bool, repeat: int = 1) -> int:
-    report = Report(as_json)
+    steps = Progress("kvpush bench protocol", "point", 2 * len(points))
+    report = Report(as_json, steps)
     for in_flight in points:
         for mode in ("push", "pull"):
             runs = []

@@ -58,6 +58,7 @@ from typing import Any
 
 from kvpush.bench import load
 from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
+from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
 from kvpush.errors import KVPushError
 
@@ -403,7 +404,11 @@ class Bench:
                     continue
                 if placement == "pinned":
                     if not deployment.pids():
-                        continue  # attached: its placement is not ours to change
+                        # attached: its placement is not ours to change
+                        self.report.progress.drop(
+                            len(self.settings.lengths) * len(self.settings.rates)
+                        )
+                        continue
                     deployment.pin()
                 idle = self._idle_cpu(deployment)
                 for length in self.settings.lengths:
@@ -630,7 +635,7 @@ def _save(plt: Any, figure: Any, path: Path) -> Path:
 
 
 def main(settings: Settings, out: Path, as_json: bool) -> int:
-    report = Report(as_json)
+    report = Report(as_json, Progress("kvpush bench serve", "cell", cell_count(settings)))
     cells = Bench(settings, out, report).run()
     table = markdown(cells)
     (out / "table.md").write_text(table)
@@ -640,6 +645,11 @@ def main(settings: Settings, out: Path, as_json: bool) -> int:
     # Upstream's failures are measured and reported, not ours to fail on.
     failed = sum(c.failures + c.mismatches for c in cells if c.config not in UPSTREAM)
     return 1 if failed else 0
+
+
+def cell_count(settings: Settings) -> int:
+    s = settings
+    return len(s.configs) * len(s.placements) * len(s.lengths) * len(s.rates)
 
 
 def upstream_push_available() -> bool:

@@ -48,6 +48,7 @@ import aiohttp
 from kvpush.bench import faults as faultlib
 from kvpush.bench import load, mix
 from kvpush.bench.cpu import tree_footprint
+from kvpush.bench.progress import Progress
 from kvpush.errors import KVPushError
 from kvpush.protocol.config import ProtocolConfig
 
@@ -405,7 +406,6 @@ class Soak:
             self.cluster.stop()
             self._keep_logs(workdir)
             shutil.rmtree(workdir, ignore_errors=True)
-            self._say("")
         self._write(summary)
         return summary
 
@@ -570,26 +570,27 @@ class Soak:
         line = fault.line()
         self.fault_log.append(line)
         if fault.skipped:  # loudly: a soak that could not inject a fault proved less
-            print(f"\nkvpush bench soak: FAULT SKIPPED {line}", file=sys.stderr)
+            print(f"kvpush bench soak: FAULT SKIPPED {line}", file=sys.stderr)
 
     async def _progress(self, total: int) -> None:
-        tty = sys.stderr.isatty()
-        while True:
-            await asyncio.sleep(1.0 if tty else 15.0)
-            counts = Counter(r.outcome for r in self.records)
-            line = (
-                f"soak {self.clock():.0f}s: sent {self._sent}/{total}, ended {len(self.records)}"
-                f" (ok {counts[OK]}, failed {counts[FAILED]}, disconnected {counts[DISCONNECTED]}"
-                f", hung {counts[HUNG]}), faults {len(self.faults)}"
-                + (f", now: {self._now_fault}" if self._now_fault else "")
-            )
-            self._say(line)
+        steps = Progress("kvpush bench soak", "requests ended", total, counting_done=True)
+        try:
+            while True:
+                # A bar redraws in place; a log gets a line every 15 s.
+                await asyncio.sleep(1.0 if steps.is_bar else 15.0)
+                counts = Counter(r.outcome for r in self.records)
+                what = (
+                    f"sent {self._sent} (ok {counts[OK]}, failed {counts[FAILED]}, "
+                    f"disconnected {counts[DISCONNECTED]}, hung {counts[HUNG]}), "
+                    f"faults {len(self.faults)}"
+                    + (f", now: {self._now_fault}" if self._now_fault else "")
+                )
+                steps.show(what, done=len(self.records))
+        finally:
+            steps.close()
 
     def _say(self, text: str) -> None:
-        if sys.stderr.isatty():
-            print(f"\r{text[:150]:<150}", end="" if text else "\r", file=sys.stderr, flush=True)
-        elif text:
-            print(f"kvpush bench soak: {text}", file=sys.stderr, flush=True)
+        print(f"kvpush bench soak: {text}", file=sys.stderr, flush=True)
 
     def _quiesce(self) -> dict[str, dict[str, Any]]:
         """Each kvpush instance's /kvpush/state once all are quiet, or as they are when

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from kvpush.backend.plugins import get_backends
+from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
 from kvpush.layout import BlockTable, KVLayout, Shard, plan
 from kvpush.transport.agent import AgentConfig, NixlAgent
@@ -307,9 +308,10 @@ def run_size(shape: Shape, runs: int, idle_seconds: float) -> SizeResult:
 
 
 def main(sizes_mib: tuple[float, ...], runs: int, idle_seconds: float, as_json: bool) -> int:
-    report = Report(as_json)
-    for i, size in enumerate(sizes_mib):
-        report.step(f"[{i + 1}/{len(sizes_mib)}] {size:g} MiB, TP 1->1 then 2->1")
+    # Two results a size: TP 1->1, then 2->1.
+    report = Report(as_json, Progress("kvpush bench transfer", "result", 2 * len(sizes_mib)))
+    for size in sizes_mib:
+        report.step(f"{size:g} MiB, TP 1->1 then 2->1")
         equal = run_size(Shape(int(size * MiB)), runs, idle_seconds)
         report.add(equal)
         mixed = run_size(Shape(int(size * MiB), sender_tp=2), runs, idle_seconds)

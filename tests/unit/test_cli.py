@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -82,3 +84,117 @@ def test_router_loop_reaches_the_server_and_an_unknown_one_is_refused(monkeypatc
     assert seen == ["auto", "asyncio"]
     result = _kvpush(*spec, "--loop", "trio")
     assert result.returncode == 2 and "invalid choice: 'trio'" in result.stderr
+
+
+# -- usage errors: one line, exit 2, naming the input --------------------------------
+
+ROUTER = ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+BAD_INVOCATIONS = [
+    (["bench", "transfer", "--sizes", "1MB"], "'1MB' is not a number"),
+    (["bench", "transfer", "--runs", "0"], "--runs: '0' must be at least 1"),
+    (["bench", "transfer", "--sizes", ","], "',' is an empty list"),
+    (["bench", "protocol", "--in-flight", "1,abc"], "'abc' is not an integer"),
+    (["bench", "protocol", "--repeat", "-2"], "--repeat: '-2'"),
+    (["bench", "protocol", "--decode-step-ms", "nan"], "'nan' is not a finite number"),
+    (["bench", "serve", "--lengths", "abc"], "--lengths: 'abc' is not an integer"),
+    (["bench", "serve", "--lengths", "1024,-5"], "'-5' must be at least 1"),
+    (["bench", "serve", "--rates", "0"], "--rates: '0' must be more than 0"),
+    (["bench", "serve", "--requests", "-1"], "--requests: '-1'"),
+    (["bench", "serve", "--kv-extra", "{bad"], "--kv-extra: '{bad' is not JSON"),
+    (["bench", "serve", "--kv-extra", "[1]"], "'[1]' is not a JSON object"),
+    (["bench", "serve", "--kv-extra", '{"stagng": 1}'], "['stagng']"),
+    (["bench", "serve", "--kv-extra", '{"backends": ["UCX"]}'], "'nixl_backends'"),
+    (["bench", "serve", "--kv-extra", '{"device_options": {"stagng": 1}}'], "'staging'"),
+    (["bench", "serve", "--kv-extra", '{"host": "0.0.0.0"}'], "'0.0.0.0'"),
+    (["bench", "serve", "--prefill-cpus", "abc"], "'abc' is not a CPU list"),
+    (["bench", "serve", "--decode-cpus", "99999"], "'99999': this machine has CPUs"),
+    (["bench", "serve", "--model", "/no/such/model"], "'/no/such/model' is not a directory"),
+    (["bench", "serve", "--slo-ttft-ms", "-1"], "--slo-ttft-ms: '-1'"),
+    (["bench", "handoff", "--step-tokens", "0"], "--step-tokens: '0'"),
+    (["bench", "soak", "--requests", "-3"], "--requests: '-3'"),
+    (["bench", "soak", "--disconnect-share", "1.5"], "'1.5' must be in [0, 1]"),
+    (["bench", "soak", "--kv-extra", '{"leese_s": 3}'], "did you mean 'lease_s'?"),
+    ([*ROUTER, "--port", "99999"], "--port: '99999' must be in [1, 65535]"),
+    ([*ROUTER, "--port", "http"], "--port: 'http' is not an integer"),
+    ([*ROUTER, "--timeout", "0"], "--timeout: '0' must be more than 0"),
+    ([*ROUTER, "--health-interval", "-1"], "--health-interval: '-1'"),
+    (["demo", "--max-tokens", "0"], "--max-tokens: '0'"),
+    (["doctor", "--vllm-wheel", "/no/such.whl"], "'/no/such.whl' is not a file"),
+    (["nosuchcommand"], "'nosuchcommand'"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv, named", BAD_INVOCATIONS, ids=[" ".join(argv)[:60] for argv, _ in BAD_INVOCATIONS]
+)
+def test_a_bad_value_is_a_one_line_usage_error_naming_it(argv, named, capsys):
+    from kvpush.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("kvpush") and "error:" in err[0] and named in err[0], err[0]
+
+
+def test_a_record_that_is_not_json_is_an_error_not_a_traceback(tmp_path, capsys):
+    from kvpush.cli import main
+
+    (tmp_path / "bad.json").write_text("not json")
+    assert main(["doctor", "--vllm-record", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json is not a contract record" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`kvpush backends | head -1`: the pipe is closed before kvpush writes."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    exe = shutil.which("kvpush") or ""
+    command = [exe] if exe else [sys.executable, "-m", "kvpush"]
+    try:
+        result = subprocess.run(
+            [*command, "backends"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+
+
+def test_version_names_the_installed_release():
+    from importlib import metadata
+
+    result = _kvpush("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kvpush {metadata.version('kvpush')}"
+
+
+def _parsers(parser, prefix="kvpush"):
+    import argparse
+
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, f"{prefix} {name}")
+
+
+def test_every_command_has_a_description_and_shows_its_defaults():
+    from kvpush.cli import build_parser
+
+    for name, parser in _parsers(build_parser()):
+        assert parser.description and "\n" not in parser.description.strip(), name
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.nargs == 0 or action.default in (None, [], "==SUPPRESS=="):
+                continue
+            shown = str(action.default)
+            assert f"default: {shown}" in " ".join(text.split()), (name, action.dest)
+
+
+def test_help_lists_the_exit_codes():
+    result = _kvpush("--help")
+    assert result.returncode == 0
+    for code in ("0 ", "1 ", "2 ", "130", "141", "143"):
+        assert f"\n  {code}" in result.stdout, code

@@ -279,7 +279,7 @@ def test_the_command_refuses_bad_settings_before_starting_anything(capsys):
     assert cli.main(["bench", "soak", "--faults", "kill-prefill,flood"]) == 2
     assert "unknown fault kind(s) ['flood']" in capsys.readouterr().err
     assert cli.main(["bench", "soak", "--rate", "0"]) == 2
-    assert "--rate and --load must be positive" in capsys.readouterr().err
+    assert "argument --rate: '0' must be more than 0" in capsys.readouterr().err
 
 
 # -- settling: the mix at the run's rate until memory levels off ----------------------
