@@ -45,7 +45,8 @@ class ExampleTensor:
 
 @hookimpl
 def kvpush_backend_info() -> BackendInfo:
-    return BackendInfo(NAME, ("example",), ("DRAM",), ("direct",))
+    # It reads no device_options, so any key given is refused, naming none.
+    return BackendInfo(NAME, ("example",), ("DRAM",), ("direct",), device_options=())
 
 
 @hookimpl
