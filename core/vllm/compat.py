@@ -57,11 +57,22 @@ def warn_known_defects(vllm_config: Any) -> None:
 def seeds_rewind() -> bool:
     """Whether this process's engine can take a sampling seed its client did not
     send. vLLM rewinds a seeded request's generator in every step that computes a
-    chunk of its prompt: a CUDA (or ROCm) generator can; a CPU one raises, and the
-    engine core dies with every request in flight (kvpush.router.first_token)."""
+    chunk of its prompt: an accelerator's counter-based generator can; a CPU one
+    raises, and the engine core dies with every request in flight
+    (kvpush.router.first_token). The CPU's is asked directly; an accelerator's is
+    not, since making one would set up the device in the scheduler's process."""
     from vllm.platforms import current_platform
 
-    return current_platform.device_type == "cuda"
+    if current_platform.device_type != "cpu":
+        return True
+    import torch
+
+    generator = torch.Generator()
+    try:
+        generator.set_offset(generator.get_offset())
+    except RuntimeError:  # "CPU Generator does not use offset"
+        return False
+    return True
 
 
 def reads_no_external_kv(request: Any) -> bool:

@@ -175,9 +175,12 @@ def _connector_before_manager(source: Source) -> bool:
     return 0 <= made < managed
 
 
+_PIECEWISE = "requires_piecewise_for_cudagraph"  # vLLM's name
+
+
 def _caller_holds_transfer_config(source: Source) -> bool:
     text = source.text("vllm/config/vllm.py") or ""
-    at = text.find("requires_piecewise_for_cudagraph(")
+    at = text.find(_PIECEWISE + "(")
     return at >= 0 and "self.kv_transfer_config" in text[max(0, at - 1500) : at]
 
 

@@ -96,3 +96,15 @@ def test_a_decode_leg_vllm_loads_is_matched_as_before():
     tokens, load_async = made.get_num_new_matched_tokens(request, 0)
     assert tokens and load_async is True
     assert side.ledger.knows("d1") and side.ledger.take_plan().aborts == []
+
+
+def test_on_vllms_cpu_build_a_seed_the_client_did_not_send_is_not_taken(monkeypatch):
+    """A CPU generator cannot rewind, so a CPU instance's identity says no router
+    may mint a seed for it; an accelerator's counter-based generator can."""
+    from vllm.platforms import current_platform
+
+    from kvpush.vllm.compat import seeds_rewind
+
+    assert current_platform.device_type == "cpu" and seeds_rewind() is False
+    monkeypatch.setattr(type(current_platform), "device_type", "gpu", raising=False)
+    assert seeds_rewind() is True
