@@ -10,9 +10,14 @@ Kinds (`--faults`, taken in turn, one every `--fault-interval` seconds):
                               under both ends (`ss -K`, which needs root and a kernel
                               with INET_DIAG_DESTROY; where it is refused, the kind is
                               dropped for the rest of the run and the fault log says so)
+  partition                   take a prefill instance's host off the network it shares
+                              with decode (`ip link set DEV down` in its namespace) for
+                              as long as a stop, then up again; needs the servers in
+                              network namespaces, as the soak puts them when it runs as
+                              root with this kind (skipped otherwise, as a refused cut)
 
 A fault's window runs from its start until the instance serves again (restarted and
-healthy, resumed, or at once for a cut), plus a grace for what it leaves behind (the
+healthy, resumed, healed, or at once for a cut), plus a grace for what it leaves behind (the
 protocol's timers, the router's cooldown). A failed request that was in flight
 during a window is explained by that fault.
 """
@@ -35,7 +40,7 @@ from kvpush.protocol.messages import REASONS
 if TYPE_CHECKING:
     from kvpush.demo.cluster import Cluster
 
-KINDS = ("kill-prefill", "kill-decode", "stop-prefill", "stop-decode", "cut")
+KINDS = ("kill-prefill", "kill-decode", "stop-prefill", "stop-decode", "cut", "partition")
 DEFAULT_FAULTS = ("kill-prefill", "stop-decode", "cut", "kill-decode", "stop-prefill")
 
 # Words an error must carry to name its cause: the instance's role (the router says
@@ -77,7 +82,7 @@ def schedule(
     kinds: tuple[str, ...], prefill: list[str], decode: list[str], seed: int
 ) -> Callable[[int], tuple[str, str]]:
     """Fault i's kind and target instance: the kinds in turn, each on an instance of
-    its role drawn from `seed` (a cut is on a prefill instance's side channel)."""
+    its role drawn from `seed` (a cut or a partition is on a prefill instance)."""
 
     def pick(i: int) -> tuple[str, str]:
         kind = kinds[i % len(kinds)]
@@ -128,6 +133,8 @@ class Injector:
                 await self._kill_and_restart(fault)
             elif action == "stop":
                 await self._stop_and_resume(fault)
+            elif action == "partition":
+                await self._partition(fault)
             else:
                 await asyncio.to_thread(self._cut, fault)
         except KVPushError as exc:
@@ -150,6 +157,22 @@ class Injector:
             server.send_signal(signal.SIGCONT)
         fault.end = self.clock()
         fault.note = f"SIGSTOP for {self.stop_s:g}s, then SIGCONT"
+
+    async def _partition(self, fault: Fault) -> None:
+        link = host_link(self.cluster.servers[fault.target].spec.launcher)
+        if isinstance(link, str):
+            self.refused.add(fault.kind)
+            fault.end, fault.skipped = self.clock(), True
+            fault.note = f"SKIPPED, and every later partition: {link}"
+            return
+        namespace, device = link
+        set_link(namespace, device, up=False)
+        try:
+            await asyncio.sleep(self.stop_s)
+        finally:  # never leave a host cut off, whatever happens to the run
+            set_link(namespace, device, up=True)
+        fault.end = self.clock()
+        fault.note = f"{device} down in {namespace} for {self.stop_s:g}s, then up"
 
     def _cut(self, fault: Fault) -> None:
         ports = side_channel_ports(self.cluster.identity_url(fault.target))
@@ -198,3 +221,30 @@ def cut_connections(ports: list[int]) -> tuple[int, str]:
 def _ends(line: str) -> tuple[str, ...]:
     """An `ss` line's local and peer address (its last two address columns)."""
     return tuple(part for part in line.split() if ":" in part)[-2:]
+
+
+def host_link(launcher: list[str]) -> tuple[str, str] | str:
+    """The namespace a server runs in (its launcher is `ip netns exec NS`) and the
+    device its default route leaves by: the link to the other host. Or why none."""
+    if launcher[:3] != ["ip", "netns", "exec"] or len(launcher) < 4:
+        return "the servers run in no network namespace (the soak puts them in one as root)"
+    namespace = launcher[3]
+    shown = subprocess.run(["ip", "-n", namespace, "-o", "route", "show", "default"],
+                           capture_output=True, text=True)  # fmt: skip
+    words = shown.stdout.split()
+    if shown.returncode != 0 or "dev" not in words:
+        return f"no default route in namespace {namespace}: {shown.stderr.strip()[:200]}"
+    return namespace, words[words.index("dev") + 1]
+
+
+def set_link(namespace: str, device: str, up: bool) -> None:
+    """`device` in `namespace` down (a partition) or up; up puts the default route
+    back, which going down removed with every route over the device."""
+    inside = ["ip", "-n", namespace]
+    commands = [[*inside, "link", "set", device, "up" if up else "down"]]
+    if up:
+        commands.append([*inside, "route", "replace", "default", "dev", device])
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KVPushError(f"{' '.join(command)} failed: {done.stderr.strip()[:200]}")

@@ -398,12 +398,15 @@ class Soak:
         self.cluster = Cluster(
             workdir, model, insecure=self.settings.insecure, kv_blocks=self.settings.kv_blocks
         )
+        self.hosts: Any = None  # kvpush.netns.TwoHosts, when the servers run in namespaces
         try:
             self._say("starting the servers")
             router = self._deploy()
             summary = asyncio.run(self._soak(router))
         finally:
             self.cluster.stop()
+            if self.hosts is not None:
+                self.hosts.close()
             self._keep_logs(workdir)
             shutil.rmtree(workdir, ignore_errors=True)
         self._write(summary)
@@ -422,8 +425,33 @@ class Soak:
         cluster.add_server(PLAIN, None, core=0)
         for server in cluster.servers.values():
             server.spec.max_model_len = s.max_model_len
+        if "partition" in s.faults and s.fault_interval_s > 0:
+            self._on_two_hosts()
         cluster.start()
         return cluster.start_router(self.prefill, self.decode, timeout_s=s.router_timeout_s)
+
+    def _on_two_hosts(self) -> None:
+        """Prefill instances on one simulated host, decode on another (network
+        namespaces, kvpush.netns), the router and the plain instance outside reaching
+        both: a partition cuts the link between the hosts. UCX is held to TCP, or it
+        would move the KV through shared memory and the link would carry none of it.
+        Where namespaces cannot be made, the servers stay put and each partition is
+        skipped, saying why."""
+        try:
+            from kvpush.netns import TwoHosts, unavailable
+        except ImportError as exc:  # a build without the namespaces helper
+            self._say(f"no network namespaces ({exc}): partitions will be skipped")
+            return
+        why = unavailable()
+        if why:
+            self._say(f"no network namespaces ({why}): partitions will be skipped")
+            return
+        self.hosts = TwoHosts(reachable=True).start()
+        for names, host in ((self.prefill, self.hosts.a), (self.decode, self.hosts.b)):
+            for name in names:
+                spec = self.cluster.servers[name].spec
+                spec.host, spec.launcher = host.address, host.command([])
+                spec.env["UCX_TLS"] = "tcp,self"
 
     async def _soak(self, router: str) -> dict[str, Any]:
         s = self.settings
