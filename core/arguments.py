@@ -168,3 +168,22 @@ def existing_file(text: str) -> str:
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a file")
     return text
+
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def bit_rate(text: str) -> int:
+    """A link rate as tc writes it, e.g. `300mbit`, `1gbit`: bits a second."""
+    spelled = text.strip().lower()
+    unit = next((u for u in sorted(_RATE_UNITS, key=len, reverse=True) if spelled.endswith(u)), "")
+    try:
+        rate = float(spelled[: -len(unit)]) if unit else 0.0
+    except ValueError:
+        rate = 0.0
+    if not (math.isfinite(rate) and rate * _RATE_UNITS.get(unit, 0) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate such as 300mbit or 1gbit")
+    return int(rate * _RATE_UNITS[unit])
+
+
+bit_rate.__name__ = "rate"

@@ -34,12 +34,23 @@ def _transfer(benches: Any) -> None:
     p.add_argument(
         "--sizes",
         type=a.listing(a.number(above=0)),
-        default="1,16,256",
-        help="MiB per transfer, comma-separated",
+        help="MiB per transfer, comma-separated (default: 1,16,256; 16,256 across namespaces)",
     )
     p.add_argument("--runs", type=a.count, default=20, help="timed transfers per size")
     p.add_argument(
         "--idle-seconds", type=a.seconds, default=3.0, help="window for the receiver's idle CPU"
+    )
+    p.add_argument(
+        "--across-namespaces",
+        action="store_true",
+        help="as root: WRITE between two network namespaces over a veth link, UCX on TCP, "
+        "against the same link's plain TCP",
+    )
+    p.add_argument(
+        "--link-rate",
+        type=a.bit_rate,
+        metavar="RATE",
+        help="with --across-namespaces: cap the link with tc's tbf, e.g. 300mbit, 1gbit",
     )
     p.set_defaults(run=_run_transfer)
 
@@ -47,7 +58,13 @@ def _transfer(benches: Any) -> None:
 def _run_transfer(args: argparse.Namespace) -> int:
     from kvpush.bench import transfer
 
-    return transfer.main(args.sizes, args.runs, args.idle_seconds, args.json)
+    if args.link_rate and not args.across_namespaces:
+        raise KVPushError("--link-rate caps the link --across-namespaces makes: give both")
+    if args.across_namespaces:
+        from kvpush.bench import across
+
+        return across.main(args.sizes or across.SIZES_MIB, args.runs, args.link_rate, args.json)
+    return transfer.main(args.sizes or transfer.SIZES_MIB, args.runs, args.idle_seconds, args.json)
 
 
 def _protocol(benches: Any) -> None:

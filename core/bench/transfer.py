@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,9 +158,11 @@ class _NotifWaiter:
         return bool(batch)
 
 
-def _receiver_main(shape: Shape, port_queue: Any, idle_seconds: float) -> None:
+def _receiver_main(
+    shape: Shape, port_queue: Any, idle_seconds: float, host: str = "127.0.0.1"
+) -> None:
     side = _Side("bench-receiver", shape.array(0, HEADS), Shard(0, 1, HEADS))
-    listener = side.loop.call(lambda: Listener(side.loop, "127.0.0.1", 0, side.attach))
+    listener = side.loop.call(lambda: Listener(side.loop, host, 0, side.attach))
     port_queue.put(listener.port)
     waiter = _NotifWaiter(side.agent)
     side.loop.call(side.loop.add_poller, waiter)
@@ -211,10 +214,42 @@ class _Memcpy:
         return time.perf_counter() - t0
 
 
-def _sender_main(shape: Shape, port: int, runs: int, idle_seconds: float, out: Any) -> None:
+@dataclass
+class Writer:
+    """The sender's end once paired: WRITEs of `blocks` into the receiver's, each timed."""
+
+    side: _Side
+    shape: Shape
+    blocks: np.ndarray
+    nbytes: int
+    descriptors: int
+    write: Callable[[int], tuple[float, float, float]]  # on the loop: prepare, post, total
+
+    def timed(self, tag: int) -> tuple[float, float, float]:
+        """One WRITE once the receiver expects its notification: seconds to prepare,
+        to post, and in all."""
+        self.side.send(kind="expect")
+        self.side.receive()
+        return self.side.loop.call(self.write, tag)
+
+    def verified(self) -> bool:
+        self.side.send(kind="check", blocks=self.blocks.tolist())
+        return self.side.receive()["ok"]
+
+    def receiver_idle_cpu(self, idle_seconds: float) -> float:
+        self.side.send(kind="idle")
+        return self.side.receive(timeout=idle_seconds + 30)["cpu_pct"]
+
+    def close(self) -> None:
+        self.side.send(kind="bye")
+        self.side.loop.stop()
+
+
+def open_writer(shape: Shape, host: str, port: int) -> Writer:
+    """Pair with the receiver at host:port and prepare both sides' descriptors."""
     shard = Shard(0, shape.sender_tp, HEADS)
     side = _Side("bench-sender", shape.array(0xAB, shape.sender_heads), shard)
-    sock = connect("127.0.0.1", port, timeout=10)
+    sock = connect(host, port, timeout=10)
     side.loop.call(side.attach, sock)
     side.send(kind="hello", metadata=side.loop.call(side.agent.metadata))
     hello = side.receive()
@@ -246,21 +281,23 @@ def _sender_main(shape: Shape, port: int, runs: int, idle_seconds: float, out: A
         agent.release(transfer)
         return t1 - t0, t2 - t1, t3 - t0
 
+    return Writer(side, shape, blocks, nbytes, len(local_ids), one_write)
+
+
+def _sender_main(shape: Shape, port: int, runs: int, idle_seconds: float, out: Any) -> None:
+    writer = open_writer(shape, "127.0.0.1", port)
     prepare, post, total, copies = [], [], [], []
-    baseline = _Memcpy(nbytes)
+    baseline = _Memcpy(writer.nbytes)
     for tag in range(runs + 1):
-        side.send(kind="expect")
-        side.receive()
-        p, q, t = side.loop.call(one_write, tag)
+        p, q, t = writer.timed(tag)
         prepare.append(p)
         post.append(q)
         total.append(t)
         copies.append(baseline.time_one())
-    side.send(kind="check", blocks=blocks.tolist())
-    verified = side.receive()["ok"]
-    side.send(kind="idle")
-    idle = side.receive(timeout=idle_seconds + 30)["cpu_pct"]
-    side.send(kind="bye")
+    verified = writer.verified()
+    idle = writer.receiver_idle_cpu(idle_seconds)
+    writer.close()
+    nbytes = writer.nbytes
     memcpy = nbytes / statistics.median(copies[1:]) / 1e9
     nixl = nbytes / statistics.median(total[1:]) / 1e9
     out.put(
@@ -268,8 +305,8 @@ def _sender_main(shape: Shape, port: int, runs: int, idle_seconds: float, out: A
             size_mib=nbytes / MiB,
             tp=f"{shape.sender_tp}->1",
             block_kib=shape.block_bytes / 1024,
-            blocks_per_transfer=len(blocks),
-            descriptors=len(local_ids),
+            blocks_per_transfer=len(writer.blocks),
+            descriptors=writer.descriptors,
             runs=runs,
             nixl_gbps=round(nixl, 3),
             memcpy_gbps=round(memcpy, 3),
@@ -281,7 +318,6 @@ def _sender_main(shape: Shape, port: int, runs: int, idle_seconds: float, out: A
             verified=verified,
         )
     )
-    side.loop.stop()
 
 
 def run_size(shape: Shape, runs: int, idle_seconds: float) -> SizeResult:

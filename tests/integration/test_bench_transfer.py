@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import netns
 import pytest
 
 pytestmark = pytest.mark.nixl
@@ -53,3 +54,28 @@ def test_bench_transfer_json_reports_each_size():
             assert row[key] > 0, key
         assert row["ratio"] == pytest.approx(row["nixl_gbps"] / row["memcpy_gbps"], rel=0.01)
         assert 0 <= row["receiver_idle_cpu_pct"] < 100
+
+
+def test_bench_transfer_across_namespaces_moves_its_bytes_over_the_link():
+    """Small (1 MiB, 2 runs): the row's shape, and the link's transmit counter rose by
+    at least the bytes the WRITEs moved, so UCX used the link, not shared memory."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    argv = ["--across-namespaces", "--json", "--sizes", "1", "--runs", "2", "--link-rate", "2gbit"]
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvpush", "bench", "transfer", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stdout, stderr = bench.communicate(timeout=300)
+    assert bench.returncode == 0, stderr[-2000:]
+    (row,) = [json.loads(line) for line in stdout.splitlines()]
+    assert (row["size_mib"], row["runs"], row["link_rate"]) == (1, 2, "2 Gbit/s")
+    assert row["verified"] is True
+    assert row["moved_bytes"] == 3 * (1 << 20)  # two runs and the warm-up
+    assert row["link_bytes"] >= row["moved_bytes"], "the KV did not cross the link"
+    for key in ("nixl_gbps", "tcp_gbps", "first_transfer_ms"):
+        assert row[key] > 0, key
+    assert row["ratio"] == pytest.approx(row["nixl_gbps"] / row["tcp_gbps"], rel=0.01)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"kvpush-{bench.pid % 100000}x" not in names, "it left a namespace behind"
