@@ -186,6 +186,12 @@ def decode_params(transfer_id: str, identity: InstanceIdentity) -> dict[str, Any
 # token (a recurrent-state model: kvpush.vllm.groups), so its one generated token is
 # not the prompt's next, and a router must not stream it as the first.
 PROMPT_CUT = "kvpush_prompt_cut"
+# In a prefill answer's kv_transfer_params: what lets the router have prefill let go
+# of the KV when the decode leg fails before decode took it (kvpush.vllm.release).
+# For the router alone: it is never relayed to a client. It goes back to the prefill
+# instance's identity endpoint, at RELEASE_PATH.
+RELEASE_TOKEN = "release_token"
+RELEASE_PATH = "/kvpush/release"
 
 
 def prefill_echo(
@@ -195,6 +201,7 @@ def prefill_echo(
     request_id: str,
     num_tokens: int,
     engine_transfer_id: str = "",
+    release_token: str | None = None,
 ) -> dict[str, Any]:
     """What a prefill instance answers in kv_transfer_params: the decode leg's params,
     plus upstream NixlConnector's fields. `remote_host`/`remote_port` name this
@@ -202,8 +209,10 @@ def prefill_echo(
     rank's handshake): a decode handed only those finds the rest there.
     `request_id` is the id a router that matches legs by X-Request-Id knows it by;
     `engine_transfer_id` the transfer this answer's KV is held under (a retried leg's
-    is not the first attempt's: kvpush.vllm.transfers)."""
+    is not the first attempt's: kvpush.vllm.transfers); `release_token` the token
+    that releases it (none on an instance without a secret)."""
     host, _, port = identity.endpoint.rpartition(":")
+    release = {RELEASE_TOKEN: release_token} if release_token else {}
     return {
         **decode_params(transfer_id, identity),
         "remote_block_ids": [[int(b) for b in group] for group in groups],
@@ -214,6 +223,7 @@ def prefill_echo(
         "dcp_size": 1,
         "remote_num_tokens": int(num_tokens),
         "remote_transfer_id": engine_transfer_id,
+        **release,
     }
 
 

@@ -196,6 +196,19 @@ class PrefillLegs:
                 done.append(request_id)
         return done
 
+    def held_under(self, base_id: str) -> list[PrefillLeg]:
+        """The legs of one dispatch (the router's transfer id) whose finished KV is held
+        for decode: what a release by the router may let go."""
+        # A copy taken at once: the identity endpoint's threads ask too, while the
+        # engine's thread may be adding legs.
+        legs = list(self.legs.values())
+        return [leg for leg in legs if leg.base_id == base_id and leg.state == P.HELD]
+
+    def release(self, legs: Iterable[PrefillLeg]) -> None:
+        """The router says no decode will claim these legs' KV: the workers let it go
+        unless a consumer claimed or announced it, and report as for any release."""
+        self.plan.releases.extend(leg.transfer_id for leg in legs)
+
     def counts(self) -> tuple[int, int]:
         """(held, producing): legs whose blocks wait for the producer, and the rest."""
         held = sum(leg.state == P.HELD for leg in self.legs.values())

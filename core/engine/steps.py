@@ -79,13 +79,15 @@ class StepPlan:
     progress: list[Progress] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)  # prefill requests admitted
     aborts: list[str] = field(default_factory=list)  # transfer ids given up (either role)
+    # Prefill: transfer ids whose decode leg never reached decode, by the router's word.
+    releases: list[str] = field(default_factory=list)
     rejects: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
 
     def carries_work(self) -> bool:
         """Whether the workers must act on this step's plan."""
         return bool(
             self.expects or self.announces or self.produces or self.progress
-            or self.pending or self.aborts or self.rejects
+            or self.pending or self.aborts or self.releases or self.rejects
         )  # fmt: skip
 
 

@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Outcome:
     """What the engine must act on: "delivered", "failed" (consumer) or "released";
-    and what it may note: "chunk_sent" (producer, progressive push)."""
+    and what it may note: "chunk_sent" (producer, progressive push), and
+    "release_refused" (producer: the router's release of KV a consumer wants, `reason`
+    saying why it is kept)."""
 
     kind: str
     transfer_id: str
@@ -190,6 +192,8 @@ class Interpreter:
             self.data.drop_fences(action.transfer_id)
             self.metrics.inc("blocks_released", outcome=action.outcome)
             self.report("released", action.transfer_id, action.outcome, nbytes=action.nbytes)
+        elif isinstance(action, act.ReleaseRefused):
+            self.report("release_refused", action.transfer_id, action.why)
         elif isinstance(action, act.ChunkSent):
             self.metrics.inc("chunk_writes")
             self.report("chunk_sent", action.transfer_id, nbytes=action.nbytes)

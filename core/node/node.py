@@ -384,6 +384,11 @@ class Node:
         self.metrics.inc("handshakes", result="refused")
         self.interpreter.report("failed", transfer_id, "handshake_failed", problem)
 
+    def release_unclaimed(self, transfer_id: str) -> None:
+        """Producer: the router says no consumer will come for `transfer_id`
+        (Producer.release_unclaimed): a "released" outcome, or "release_refused"."""
+        self._submit_fn(lambda now: self.producer.release_unclaimed(transfer_id, now), transfer_id)
+
     def take_results(self) -> list[Outcome]:
         """Outcomes since the last call, oldest first."""
         with self._results_ready:

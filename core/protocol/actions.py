@@ -95,6 +95,16 @@ class ReleaseBlocks:
 
 
 @dataclass(frozen=True)
+class ReleaseRefused:
+    """Producer: the router asked to release KV no decode would claim, and it is kept:
+    `why` is "claimed" or "announced" (a consumer wants it), or "ended" or "unknown"
+    (nothing of it is held here)."""
+
+    transfer_id: str
+    why: str
+
+
+@dataclass(frozen=True)
 class ChunkSent:
     """Producer: a WRITE of blocks that earlier chunks of the prompt completed is in the
     consumer's memory, before the prompt's last step (progressive push)."""
@@ -120,6 +130,7 @@ Action = (
     | Delivered
     | TransferFailed
     | ReleaseBlocks
+    | ReleaseRefused
     | ChunkSent
     | Counted
 )

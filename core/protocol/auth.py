@@ -12,6 +12,11 @@ refuses it. Nothing here does I/O; a Session only holds counters.
 The caller brings the secret (kvpush.vllm.config.load_secret reads it from the
 settings or the environment) and each session's random nonce.
 
+A prefill answer's release token is an HMAC too, outside any session: of the
+instance's boot and the transfer id, under a key of its own derived from the
+secret (`release_key`). The router hands it back to have prefill let go of KV no
+decode will claim; it proves the asker read that answer, and opens nothing else.
+
 Rejections raise AuthError or ProtocolError and leave the session unchanged.
 """
 
@@ -27,6 +32,8 @@ from kvpush.protocol.messages import PROTOCOL_VERSION, Hello, Message, Reject, d
 
 MAC_BYTES = 32
 NONCE_BYTES = 16  # the least a hello's nonce may hold
+# What release keys are derived under: no key of a session or a refusal starts so.
+RELEASE_LABEL = b"kvpush-release-token"
 _frame_decoder = msgspec.msgpack.Decoder(tuple[int, int, bytes, bytes])
 
 
@@ -174,3 +181,27 @@ class Session:
             self._send_key, self._recv_key = to_acceptor, to_initiator
         else:
             self._send_key, self._recv_key = to_initiator, to_acceptor
+
+
+def release_key(secret: bytes) -> bytes:
+    """The key of an instance's release tokens: derived, never the secret itself, so
+    that a token shows nothing a side-channel signature is made with."""
+    return hmac.new(secret, RELEASE_LABEL, hashlib.sha256).digest()
+
+
+def release_token(key: bytes, epoch: str, transfer_id: str) -> str:
+    """The token that lets its holder release `transfer_id`'s unclaimed KV on the
+    instance in boot `epoch` (hex)."""
+    boot = epoch.encode()
+    # Length-prefixed: no other (epoch, transfer id) pair signs the same bytes.
+    message = len(boot).to_bytes(4, "big") + boot + transfer_id.encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def release_token_ok(key: bytes, epoch: str, transfer_id: str, token: str) -> bool:
+    """Whether `token` is this boot's for `transfer_id`, compared in constant time.
+    Without a key (an insecure instance) no token is good."""
+    if not key:
+        return False
+    expected = release_token(key, epoch, transfer_id).encode()
+    return hmac.compare_digest(expected, token.encode(errors="replace"))

@@ -43,6 +43,7 @@ from kvpush.protocol.actions import (
     ExposeBlocks,
     PostWrite,
     ReleaseBlocks,
+    ReleaseRefused,
     Send,
 )
 from kvpush.protocol.config import ProtocolConfig
@@ -70,6 +71,10 @@ _FINAL_MEMORY = 65536
 # it: its decode request ended first (client gone, decode failed), or it needs none
 # of the KV (another choice of n > 1 brings the prompt, or decode has it cached).
 DECODE_CANCELLED = "decode_cancelled"
+# The outcome of KV released on the router's word: the transfer's decode leg failed
+# before decode's engine took it (refused, unreachable, its client gone), so no
+# consumer will announce or claim it (release_unclaimed).
+ROUTER_RELEASED = "router_released"
 
 # A record's key: (transfer id, the consumer peer that claimed it; None until one did).
 Key = tuple[str, "str | None"]
@@ -420,6 +425,23 @@ class Producer:
             else:
                 actions += self._end(transfer, "aborted", now, notify=True)
         return actions
+
+    def release_unclaimed(self, transfer_id: str, now: float) -> list[Action]:
+        """The router says no consumer will come for the transfer: its decode leg
+        failed before decode's engine took it. Free the KV now rather than at the end
+        of its lease, unless a consumer claimed or announced it (the router may be
+        wrong about a leg that reached decode after all: that consumer's word wins)."""
+        records = self._family(transfer_id)
+        if not records:
+            return [ReleaseRefused(transfer_id, "ended" if transfer_id in self._tombstones
+                                   else "unknown")]  # fmt: skip
+        if any(transfer.peer is not None for transfer in records):
+            return [ReleaseRefused(transfer_id, "claimed")]
+        (transfer,) = records
+        deserted = transfer_id in self._deserted  # its announcers were all lost
+        if transfer_id in self._announcers or (transfer.announced and not deserted):
+            return [ReleaseRefused(transfer_id, "announced")]
+        return self._end(transfer, ROUTER_RELEASED, now)
 
     def on_write_done(
         self,

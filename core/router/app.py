@@ -5,14 +5,15 @@ legs at once (push) or prefill first (pull). The decode leg's answer, streamed o
 not, is the client's answer; a streaming client's first token comes from the prefill
 leg (early.py). A failed leg cancels the other and gives the client an OpenAI-style
 error; a client that goes away cancels both, which makes vLLM abort them, which
-makes kvpush free their blocks.
+makes kvpush free their blocks. A decode leg that ends before decode took it has
+prefill let go of the KV it computed for it (release.py).
 
 One module, past 550 lines: the request path reads top to bottom, from the handler
 through both legs to the error the client gets. The parts that stand alone live
 beside it: instances.py (pools, pairing), legs.py (what each leg is sent, and the
 OpenAI-style errors), request.py (a request's trace and its legs' failures), sse.py
-(server-sent events), and first_token.py with early.py (the first token from
-prefill).
+(server-sent events), first_token.py with early.py (the first token from
+prefill), and release.py (prefill KV that no decode will claim).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from kvpush.router.legs import (
     prefill_leg,
 )
 from kvpush.router.reach import identity_unreachable
+from kvpush.router.release import PrefillReleases
 from kvpush.router.request import (
     ANSWERED,
     TRACE,
@@ -113,6 +115,7 @@ class Router(FirstTokenStreams):
         self.traces: deque[dict[str, Any]] = deque(maxlen=512)
         self._health_task: asyncio.Future | None = None
         self._draining: set[asyncio.Future] = set()  # decode legs nobody reads (_drain)
+        self.releases = PrefillReleases(self._http, self.metrics)  # KV no decode will claim
 
     # -- application ------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class Router(FirstTokenStreams):
     async def _stop(self, app: web.Application) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+        await self.releases.close()
         if self.session is not None:
             await self.session.close()
 
@@ -325,7 +329,7 @@ class Router(FirstTokenStreams):
             answered: asyncio.Future = asyncio.get_running_loop().create_future()
             answered.set_result(answer)
             return await self._decode_relay(
-                early, request, decode, endpoint, leg, headers, answered, body
+                early, request, prefill, decode, endpoint, leg, headers, answered, body
             )
         return await self._both_at_once(
             request, endpoint, body, transfer_id, prefill, decode, headers, early
@@ -356,7 +360,15 @@ class Router(FirstTokenStreams):
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
         relay = asyncio.ensure_future(
             self._decode_relay(
-                early, request, decode, endpoint, decode_leg_body, headers, prefill_task, body
+                early,
+                request,
+                prefill,
+                decode,
+                endpoint,
+                decode_leg_body,
+                headers,
+                prefill_task,
+                body,
             )
         )
         try:
@@ -383,23 +395,33 @@ class Router(FirstTokenStreams):
             self.metrics.inc("first_token_from_decode", why=why)
         return why is None
 
-    def _decode_relay(
+    async def _decode_relay(
         self,
         early: bool,
         request: web.Request,
+        prefill: Instance,
         decode: Instance,
         endpoint: str,
         leg: dict[str, Any],
         headers: dict[str, str],
         prefill_answer: asyncio.Future,
         body: dict[str, Any],
-    ) -> Any:
-        """The decode leg's relay: behind the prefill leg's first token (early.py), or
-        the decode leg's answer as it comes."""
+    ) -> web.StreamResponse:
+        """The decode leg, sent, and its relay: behind the prefill leg's first token
+        (early.py), or the decode leg's answer as it comes. A decode leg that ends
+        before decode took it has prefill let go of the KV (release.py)."""
         if early:
             leg = first_token.decode_leg(leg)
-            return self._relay_early(request, decode, endpoint, leg, headers, prefill_answer, body)
-        return self._relay(request, decode, endpoint, leg, headers)
+        request[TRACE].mark("decode_sent")
+        posted = asyncio.ensure_future(
+            self._http().post(decode.url + endpoint, json=leg, headers=headers)
+        )
+        self.releases.watch(posted, prefill, prefill_answer)
+        if early:
+            return await self._relay_early(
+                request, decode, endpoint, leg, headers, prefill_answer, body, posted
+            )
+        return await self._relay(request, decode, endpoint, leg, headers, posted)
 
     def _prefill_done(
         self, prefill: Instance, named: InstanceIdentity, task: asyncio.Future

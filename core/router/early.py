@@ -51,19 +51,17 @@ class FirstTokenStreams:
         headers: dict[str, str],
         prefill_answer: asyncio.Future,
         body: dict[str, Any],
+        posted: asyncio.Future | None,
     ) -> web.StreamResponse:
-        """The decode leg, streamed, behind prefill's first token (first_token.py):
-        the client is answered when prefill answers, without waiting for decode at
-        all, and gets decode's stream from its second token on. The prefill leg has
-        validated the client's parameters by then, so a decode leg that fails later
-        has failed on its own: each unfinished choice continues from the tokens the
-        client has, on another decode instance if there is one."""
+        """The decode leg (`posted`, its request, sent already), streamed, behind
+        prefill's first token (first_token.py): the client is answered when prefill
+        answers, without waiting for decode at all, and gets decode's stream from its
+        second token on. The prefill leg has validated the client's parameters by
+        then, so a decode leg that fails later has failed on its own: each unfinished
+        choice continues from the tokens the client has, on another decode instance
+        if there is one."""
         trace: Trace = request[TRACE]
         chat = endpoint.endswith("/chat/completions")
-        trace.mark("decode_sent")
-        posted: asyncio.Future | None = asyncio.ensure_future(
-            self._http().post(decode.url + endpoint, json=leg, headers=headers)
-        )
         try:
             answer = await prefill_answer
             opening = first_token.opening(answer, body, chat)

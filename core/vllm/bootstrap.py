@@ -43,6 +43,7 @@ from typing import Any
 
 from kvpush.errors import KVPushError
 from kvpush.identities import IdentityError, InstanceIdentity, fetch_query, parse_identity
+from kvpush.vllm.config import producer_allowed
 
 CACHE_S = 10.0  # how long a learnt identity is used before it is asked for again
 RETRY_S = 1.0  # how long a failed query is remembered before it is tried again
@@ -52,6 +53,8 @@ QUERY_THREADS = 2
 _SCHEMES = ("http", "https")
 # host:port, the host a DNS name, an IPv4 address or a bracketed IPv6 one.
 _NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253})(:(?P<port>\d{1,5}))?")
+# host:port, the port required (a side-channel address, an endpoint's netloc).
+HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):\d{1,5}")
 
 
 class LegError(KVPushError):
@@ -226,6 +229,38 @@ def endpoint_problem(address: str) -> str | None:
     if port is not None and not 0 < int(port) < 65536:
         return f"its port {port} is not from 1 to 65535"
     return None
+
+
+def producer_endpoint(params: dict[str, Any], allowed: tuple[str, ...]) -> str | None:
+    """The URL of the endpoint a decode leg names its producer by, if any: an
+    http(s) URL of a host `allowed` lets this decode reach. LegError if not."""
+    bootstrap = params.get("remote_bootstrap_addr")
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if bootstrap is not None:
+        url = urllib.parse.urlsplit(bootstrap if isinstance(bootstrap, str) else "")
+        try:
+            where = f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 80)}"
+        except ValueError:
+            where = ""
+        if url.scheme not in ("http", "https") or not url.hostname or not where:
+            raise LegError(
+                "bad_bootstrap_addr",
+                f"remote_bootstrap_addr must be an http(s) URL, got {str(bootstrap)[:200]!r}",
+            )
+        endpoint = bootstrap
+    elif isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
+        where = f"{host}:{port}"
+        if not HOST_PORT.fullmatch(where):
+            raise LegError("bad_addresses", f"remote_host {host[:100]!r} is not a host name")
+        endpoint = f"http://{where}"
+    else:
+        return None
+    if not producer_allowed(where, allowed):
+        raise LegError(
+            "producer_not_allowed",
+            f"the decode leg names its producer by {where}, which allowed_producers does not list",
+        )
+    return endpoint
 
 
 def _failure(exc: Exception) -> str:

@@ -92,7 +92,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         _show_kvpush_logs()
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
-        load_secret(config)  # no secret, no start (unless insecure): in every process
+        secret = load_secret(config)  # no secret, no start (unless insecure): in every process
         from vllm.platforms import current_platform
 
         check_buffer_device(
@@ -134,6 +134,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_groups=groups,
                 windowed=any(self._windows),
                 states=self._states,
+                secret=secret,
             )
             self._scheduler.me.kv_states = len(self._states)
             self._scheduler.me.seeds_rewind = seeds_rewind()

@@ -5,8 +5,11 @@ mode, one side-channel address per TP rank), shaped like the Mooncake bootstrap
 query production routers already call. GET /kvpush/state answers how many
 transfers are in flight, for leak checks; GET /kvpush/spans where requests' time
 went, phase by phase, and GET /kvpush/trace?last=N each recent request's
-milestones (kvpush.vllm.spans). Plain HTTP/1.1 on its own thread: it must
-not depend on the engine's event loop, and it costs nothing while nobody asks.
+milestones (kvpush.vllm.spans). POST /kvpush/release takes a router's word that a
+transfer's decode leg never reached decode (kvpush.vllm.release). Plain HTTP/1.1
+on its own threads: it must not depend on the engine's event loop, and it costs
+nothing while nobody asks. Each read of a request is bounded in size and time, so
+a slow or greedy client holds one of those threads for seconds at most.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from kvpush.vllm.metadata import KVPushHandshake
 log = logging.getLogger(__name__)
 
 EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
-Route = Callable[[dict[str, str]], Any]
+Route = Callable[[dict[str, str]], Any]  # a GET's query -> its JSON answer
+PostRoute = Callable[[Any], tuple[int, Any]]  # a POST's JSON body -> (status, JSON answer)
+MAX_BODY = 4096  # bytes of a POST body: a transfer id and a token fit many times over
+READ_TIMEOUT_S = 5.0  # each read of a request's line, headers and body
 
 
 class IdentityServer:
@@ -37,9 +43,13 @@ class IdentityServer:
         host: str,
         port: int,
         routes: Mapping[str, Route],
+        posts: Mapping[str, PostRoute] | None = None,
     ) -> None:
+        posts = dict(posts or {})
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = READ_TIMEOUT_S
+
             def do_GET(self) -> None:
                 path, _, query = self.path.partition("?")
                 route = routes.get(path)
@@ -50,6 +60,34 @@ class IdentityServer:
                     self._answer(200, route(dict(urllib.parse.parse_qsl(query))))
                 except Exception as exc:  # the engine must not die of a bad query
                     self._answer(500, {"error": repr(exc)})
+
+            def do_POST(self) -> None:
+                route = posts.get(self.path.partition("?")[0])
+                if route is None:
+                    self._answer(404, {"error": f"no such path {self.path!r}"})
+                    return
+                body = self._body()
+                if body is None:
+                    return  # answered already
+                try:
+                    self._answer(*route(body))
+                except Exception as exc:  # the engine must not die of a bad request
+                    self._answer(500, {"error": repr(exc)})
+
+            def _body(self) -> Any:
+                """The request's JSON body, or None once an error is answered."""
+                length = self.headers.get("Content-Length", "")
+                if not length.isdigit():
+                    self._answer(411, {"error": "a POST needs a Content-Length"})
+                    return None
+                if int(length) > MAX_BODY:
+                    self._answer(413, {"error": f"a body of at most {MAX_BODY} bytes"})
+                    return None
+                try:
+                    return json.loads(self.rfile.read(int(length)))
+                except ValueError as exc:  # not JSON, or not UTF-8
+                    self._answer(400, {"error": f"the body is not JSON: {exc}"})
+                    return None
 
             def _answer(self, code: int, body: Any) -> None:
                 data = json.dumps(body).encode()
@@ -107,8 +145,14 @@ class IdentityService:
         self.identity_server: IdentityServer | None = None
         self.bootstrap_server: IdentityServer | None = None
 
-    def serve(self, handshakes: dict[int, KVPushHandshake], routes: Mapping[str, Route]) -> None:
-        """Learn every worker rank's identity, and start answering: /query and `routes`."""
+    def serve(
+        self,
+        handshakes: dict[int, KVPushHandshake],
+        routes: Mapping[str, Route],
+        posts: Mapping[str, PostRoute] | None = None,
+    ) -> None:
+        """Learn every worker rank's identity, and start answering: /query, `routes`
+        (GET) and `posts` (POST)."""
         self._ranks = dict(handshakes)
         if handshakes and all(h.epoch for h in handshakes.values()):
             # This boot, as decode legs will name it: every rank's own, so a decode
@@ -117,7 +161,10 @@ class IdentityService:
         if self.identity_server is None:
             port = rank_port(self.config.identity_port, self.dp_rank)
             self.identity_server = IdentityServer(
-                self.config.listen, port, {"/query": lambda _: self.identity().to_query(), **routes}
+                self.config.listen,
+                port,
+                {"/query": lambda _: self.identity().to_query(), **routes},
+                posts,
             )
         if self.config.bootstrap_port and self.dp_rank == 0 and self.bootstrap_server is None:
             query = {"/query": lambda _: mooncake_query(self._dp_identities())}

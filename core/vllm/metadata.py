@@ -54,11 +54,14 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     states: dict[int, dict[str, int]] = field(default_factory=dict)
     # Rank -> which of kvpush's vLLM hooks attached there (kvpush.vllm.hooks), once.
     hooks: dict[int, dict[str, str]] = field(default_factory=dict)
+    # Prefill: transfer id -> rank -> what the router's release did there ("released",
+    # or why the KV is kept: kvpush.protocol.actions.ReleaseRefused).
+    releases: dict[str, dict[int, str]] = field(default_factory=dict)
 
     NOTES = ("landed", "kv_ready", "chunk_sent")  # each a spans milestone of that name
 
     def is_empty(self) -> bool:
-        if self.failed or self.states or self.hooks:
+        if self.failed or self.states or self.hooks or self.releases:
             return False
         return not any(getattr(self, name) for name in self.NOTES)
 
@@ -73,4 +76,9 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
         merged.failed = {**getattr(other, "failed", {}), **self.failed}
         merged.states = {**getattr(other, "states", {}), **self.states}
         merged.hooks = {**getattr(other, "hooks", {}), **self.hooks}
+        theirs = getattr(other, "releases", {})
+        merged.releases = {
+            tid: {**theirs.get(tid, {}), **self.releases.get(tid, {})}
+            for tid in theirs.keys() | self.releases.keys()
+        }
         return merged

@@ -24,8 +24,6 @@ vllm-router's NIXL push mode keeps) is completed from that endpoint's answer
 from __future__ import annotations
 
 import logging
-import re
-import urllib.parse
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -33,16 +31,17 @@ from typing import Any
 from kvpush.engine.ledger import Ledger
 from kvpush.engine.steps import Announce
 from kvpush.errors import ConfigError, ProtocolError
-from kvpush.identities import InstanceIdentity, decode_params, prefill_echo
+from kvpush.identities import RELEASE_PATH, InstanceIdentity, decode_params, prefill_echo
 from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm import hooks
-from kvpush.vllm.bootstrap import BootstrapResolver, LegError
+from kvpush.vllm.bootstrap import HOST_PORT, BootstrapResolver, LegError, producer_endpoint
 from kvpush.vllm.config import ConnectorConfig, producer_allowed
 from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.identity import EPOCH_SEPARATOR, IdentityService
 from kvpush.vllm.landings import Landings
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
+from kvpush.vllm.release import Releases
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
 from kvpush.vllm.wake import Doorbell, IdleSteps
@@ -52,8 +51,6 @@ log = logging.getLogger(__name__)
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _COUNTED = ("recomputed", "orphaned", "refused")
-# host:port, the host a name or an IPv4 address (or an IPv6 one in brackets).
-_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):\d{1,5}")
 
 
 class SchedulerSide:
@@ -84,6 +81,7 @@ class SchedulerSide:
         kv_groups: int = 1,
         windowed: bool = False,
         states: tuple[int, ...] = (),  # recurrent-state groups (kvpush.vllm.groups)
+        secret: bytes = b"",  # the deployment's: it keys the release tokens
     ) -> None:
         self.config = config
         self.world = world
@@ -117,6 +115,7 @@ class SchedulerSide:
             self.idle = IdleSteps(hooks.idle_wait_allowed(config.idle_wait_s))
         self.spans = Spans()
         self.landings = Landings(self.ledger.decode, self.spans, self.idle, world)
+        self.releases = Releases(self.ledger.prefill, world, self.idle.doorbell.port, secret)
 
     @property
     def epoch(self) -> str:
@@ -142,6 +141,7 @@ class SchedulerSide:
                 "/kvpush/spans": lambda q: self.spans.summary(reset=q.get("reset") == "1"),
                 "/kvpush/trace": lambda q: self.spans.trace(int(q.get("last", 100))),
             },
+            {RELEASE_PATH: lambda body: self.releases.ask(body, self.epoch)},
         )
 
     def identity(self) -> InstanceIdentity:
@@ -166,6 +166,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.me.close()
+        self.releases.close()
         self.idle.close()
 
     # -- vLLM scheduler hooks -------------------------------------------------------------
@@ -227,6 +228,7 @@ class SchedulerSide:
         }
         for request_id, milestone in self.ledger.prefill.step_scheduled(computed):
             self.spans.mark(request_id, milestone)
+        self.releases.plan()  # asked on the identity endpoint since the last step
         meta = KVPushMetadata.of(self.ledger.take_plan())
         meta.doorbell, meta.doorbell_key = self.idle.doorbell.port, self.idle.doorbell.key
         meta.park = self._only_transfers_to_wait_for(scheduler_output, meta)
@@ -267,8 +269,9 @@ class SchedulerSide:
         base = leg.base_id
         # The id a router matching legs by X-Request-Id knows the request by.
         known_as = base.removeprefix(api_kind(base)) if leg.named_here else base
+        token = self.releases.token(self.epoch, base)
         return True, prefill_echo(
-            base, self.identity(), groups, known_as, leg.prompt_len, leg.transfer_id
+            base, self.identity(), groups, known_as, leg.prompt_len, leg.transfer_id, token
         )
 
     def update_connector_output(self, output: Any) -> None:
@@ -278,6 +281,7 @@ class SchedulerSide:
             self.spans.fail(request_id, why)
         self._rank_states.update(getattr(worker_meta, "states", None) or {})
         self._rank_hooks.update(getattr(worker_meta, "hooks", None) or {})
+        self.releases.heard(getattr(worker_meta, "releases", None))
         for milestone in KVPushWorkerMeta.NOTES:
             for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
                 self.spans.mark(request_id, milestone, wall)
@@ -404,7 +408,7 @@ class SchedulerSide:
         named (both legs carry the router's X-Request-Id)."""
         if "remote_addresses" in params:
             return ""
-        address = _producer_endpoint(params, self.config.allowed_producers)
+        address = producer_endpoint(params, self.config.allowed_producers)
         if address is None:
             return ""  # nothing to learn from: _decode_leg_problem says why
         engine = str(params.get("remote_engine_id") or "")
@@ -458,38 +462,6 @@ def _announce(transfer_id: str, params: dict[str, Any]) -> Announce:
     )
 
 
-def _producer_endpoint(params: dict[str, Any], allowed: tuple[str, ...]) -> str | None:
-    """The URL of the endpoint a decode leg names its producer by, if any: an
-    http(s) URL of a host `allowed` lets this decode reach. LegError if not."""
-    bootstrap = params.get("remote_bootstrap_addr")
-    host, port = params.get("remote_host"), params.get("remote_port")
-    if bootstrap is not None:
-        url = urllib.parse.urlsplit(bootstrap if isinstance(bootstrap, str) else "")
-        try:
-            where = f"{url.hostname}:{url.port or (443 if url.scheme == 'https' else 80)}"
-        except ValueError:
-            where = ""
-        if url.scheme not in ("http", "https") or not url.hostname or not where:
-            raise LegError(
-                "bad_bootstrap_addr",
-                f"remote_bootstrap_addr must be an http(s) URL, got {str(bootstrap)[:200]!r}",
-            )
-        endpoint = bootstrap
-    elif isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
-        where = f"{host}:{port}"
-        if not _HOST_PORT.fullmatch(where):
-            raise LegError("bad_addresses", f"remote_host {host[:100]!r} is not a host name")
-        endpoint = f"http://{where}"
-    else:
-        return None
-    if not producer_allowed(where, allowed):
-        raise LegError(
-            "producer_not_allowed",
-            f"the decode leg names its producer by {where}, which allowed_producers does not list",
-        )
-    return endpoint
-
-
 def _named_by_prefill(request_id: str, params: dict[str, Any]) -> str:
     """The transfer id a prefill instance named for the API request this decode leg
     belongs to (SchedulerSide._name_transfer): the same derivation from our own
@@ -532,7 +504,7 @@ def _decode_leg_problem(
     if (
         not isinstance(addresses, list)
         or not addresses
-        or not all(isinstance(a, str) and _HOST_PORT.fullmatch(a) for a in addresses)
+        or not all(isinstance(a, str) and HOST_PORT.fullmatch(a) for a in addresses)
     ):
         return "bad_addresses", (
             f"remote_addresses must list one side-channel host:port per tensor-parallel "

@@ -124,9 +124,9 @@ _BY_REASON_METRICS = {
     "orphaned": (
         "vllm:kvpush_orphaned_total",
         "Transfers whose other leg never came, by reason: prefill KV no decode announced "
-        "within orphan_grace_s (no_decode_announced) or a decode cancelled before claiming "
-        "it (decode_cancelled), or a decode leg whose orchestrator dropped the prefill "
-        "answer's kv_transfer_params",
+        "within orphan_grace_s (no_decode_announced), a decode cancelled before claiming "
+        "it (decode_cancelled) or the router said never reached decode (router_released), "
+        "or a decode leg whose orchestrator dropped the prefill answer's kv_transfer_params",
     ),
     "refused": (
         "vllm:kvpush_refused_legs_total",

@@ -21,7 +21,7 @@ from kvpush.errors import ConfigError, KVPushError
 from kvpush.layout import Shard, sources
 from kvpush.node import Node, NodeConfig, Source
 from kvpush.node.interpreter import Outcome
-from kvpush.protocol.producer import DECODE_CANCELLED
+from kvpush.protocol.producer import DECODE_CANCELLED, ROUTER_RELEASED
 from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret, rank_port
 from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
@@ -274,6 +274,8 @@ class WorkerSide:
             )
         for tid in meta.aborts:
             node.abort(tid)
+        for tid in meta.releases:
+            node.release_unclaimed(tid)
         for request_id, why in meta.rejects:
             log.error("kvpush: failing the KV load of %s: %s", request_id, why)
             self._outcomes.rejected(request_id)
@@ -339,6 +341,13 @@ class WorkerSide:
             elif outcome.reason == DECODE_CANCELLED:
                 # Not a warning: n > 1's other choices and decode's own cache hits say so too.
                 self._stats.count("orphaned", DECODE_CANCELLED)
+            elif outcome.reason == ROUTER_RELEASED:
+                log.debug("kvpush: released the KV of %s: its decode leg never reached decode", tid)
+                self._stats.count("orphaned", ROUTER_RELEASED)
+                self._noted.releases[tid] = {self.rank: "released"}
+            return
+        if outcome.kind == "release_refused":
+            self._noted.releases[tid] = {self.rank: outcome.reason}
             return
         request_id = self._outcomes.received(tid, ok=outcome.kind == "delivered")
         if request_id is None:

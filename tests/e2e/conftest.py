@@ -130,11 +130,15 @@ class Client:
         assert second.status_code == 200, second.text
         return echo, second.json()["choices"][0]["token_ids"]
 
-    def metric(self, url: str, name: str) -> float:
-        """A Prometheus metric of a server's /metrics, summed over its labels."""
+    def metric(self, url: str, name: str, label: str = "") -> float:
+        """A Prometheus metric of a server's /metrics, summed over its labels; only
+        the series carrying `label` (as Prometheus writes it: 'reason="x"') if given."""
         total = 0.0
         for line in self.http.get(url + "/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if not (line.startswith(name + "{") or line.startswith(name + " ")):
+                continue
+            labels = line[len(name) :].rsplit(" ", 1)[0]
+            if not label or label in labels.strip("{}").split(","):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

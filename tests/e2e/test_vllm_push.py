@@ -376,6 +376,37 @@ def test_a_decode_leg_given_up_while_its_session_pairs_frees_prefills_kv_at_once
     _both_drained(cluster, client)
 
 
+def test_a_decode_leg_decode_refuses_has_prefills_kv_released_at_once(cluster, router, client):
+    """A stream asking for more tokens than decode's max_model_len. On the first-token
+    path prefill's leg asks for one token, so prefill takes it and computes the
+    prompt's KV, while decode's API refuses its leg (400) before its engine ever sees
+    it: no decode will claim that KV, and nothing but the router knows. The router
+    hands back the release token of prefill's answer, and prefill lets the KV go at
+    once, not after lease_s (60 s)."""
+    prefill, prefill_state = cluster.servers["prefill"].url, cluster.identity_url("prefill")
+    released = ("vllm:kvpush_orphaned_total", 'reason="router_released"')
+    routed = ("kvpush_prefill_releases_total", 'outcome="released"')
+    _both_drained(cluster, client)
+    before, routed_before = client.metric(prefill, *released), client.metric(router, *routed)
+    body = {"model": MODEL_NAME, "prompt": prompt(400, 4100), "max_tokens": 10**6,
+            "temperature": 0, "stream": True}  # fmt: skip
+    answer = client.http.post(router + "/v1/completions", json=body)
+    # Decode's refusal, as a status (or as an error event after prefill's token).
+    assert "max_model_len" in answer.text or "context length" in answer.text, answer.text
+    assert "release_token" not in answer.text
+    started = time.monotonic()
+    state = client.wait_drained(prefill_state, 15)
+    assert state == {"sending": 0, "producing": 0, "receiving": 0}, state
+    print(f"prefill let go within {time.monotonic() - started:.2f} s of the refusal")
+    deadline = time.monotonic() + 10
+    while client.metric(prefill, *released) < before + 1:
+        assert time.monotonic() < deadline, "prefill never counted the release"
+        time.sleep(0.2)
+    assert client.metric(prefill, *released) == before + 1  # its KV was held, and let go
+    assert client.metric(router, *routed) == routed_before + 1
+    _both_drained(cluster, client)
+
+
 KILL_ATTEMPTS = 3
 
 
@@ -484,8 +515,8 @@ def test_decode_killed_mid_run_errors_then_recovers(cluster, router, client):
     """Decode dies while it generates and holds at least four of eight requests: each
     of those gets an error naming decode (not a 200 cut short), and prefill holds
     nothing after. KV whose decode leg never reached decode (it was dead by then) is
-    held for prefill's lease, as prefill cannot know; what decode announced is let go
-    a few heartbeats after its death."""
+    let go on the router's word, or, should that word be lost, after prefill's lease;
+    what decode announced is let go a few heartbeats after its death."""
     try:
         _kill_mid_run(cluster, client, router, "decode", 4, prompt_len=600, answer=1400)
         lease = ProtocolConfig().lease_s  # the e2e prefill keeps the default

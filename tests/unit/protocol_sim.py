@@ -197,6 +197,9 @@ class _ProducerPorts(_Ports):
         if outcome.kind == "chunk_sent":
             sim.chunks_sent.append(tid)
             return
+        if outcome.kind == "release_refused":
+            sim.kept[tid] = outcome.reason
+            return
         if outcome.kind != "released":
             sim.errors.append(f"the producer reported {outcome.kind} for {tid}")
             return
@@ -320,6 +323,7 @@ class Sim:
         self.last_step: set[str] = set()  # tids whose last prompt step was reported
         self.chunks_sent: list[str] = []  # a WRITE of an earlier chunk's KV ended
         self.released: dict[str, str] = {}
+        self.kept: dict[str, str] = {}  # the router's releases refused, and why
         self.consumers: dict[str, ConsumerSide] = {}
         for i in range(consumers):
             name = f"decode{i}"
@@ -405,6 +409,10 @@ class Sim:
 
     def abort_producer(self, tid: str) -> None:
         self._run_producer(self.producer.abort(tid, self.now))
+
+    def router_release(self, tid: str) -> None:
+        """The router says `tid`'s decode leg never reached decode's engine."""
+        self._run_producer(self.producer.release_unclaimed(tid, self.now))
 
     # -- the world --------------------------------------------------------------------
 

@@ -10,7 +10,12 @@ from protocol_sim import hello as make_hello
 
 from kvpush.errors import AuthError, ProtocolError
 from kvpush.protocol import messages as m
-from kvpush.protocol.auth import Session
+from kvpush.protocol.auth import (
+    Session,
+    release_key,
+    release_token,
+    release_token_ok,
+)
 from kvpush.protocol.config import ProtocolConfig
 
 SECRET = b"s3cret"
@@ -144,3 +149,51 @@ def test_a_batched_notification_splits_back_and_a_malformed_one_is_refused():
         assert m.decode_notif(malformed) is None
     with pytest.raises(ProtocolError, match="notifications in one batch"):
         m.join_notifs([one] * (m.MAX_NOTIFS_PER_BATCH + 1))
+
+
+# -- release tokens: prefill's answer lets the router, and only its holder, release it --
+
+
+def test_a_release_token_is_good_for_its_own_transfer_and_boot_only():
+    key = release_key(SECRET)
+    token = release_token(key, "boot0-boot1", "xfer-1")
+    assert release_token_ok(key, "boot0-boot1", "xfer-1", token)
+    assert not release_token_ok(key, "boot0-boot1", "xfer-2", token)  # another transfer's
+    assert not release_token_ok(key, "boot9-boot1", "xfer-1", token)  # from before a restart
+    # The boot and the transfer id cannot trade characters to sign the same bytes.
+    assert release_token(key, "ab", "c") != release_token(key, "a", "bc")
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "",
+        "0" * 64,
+        "é" * 64,  # not even ASCII: refused, not raised
+        "flip",  # the real token with its last digit changed (below)
+        "raw",  # made with the secret itself, not the key derived from it
+        "other",  # another deployment's secret
+    ],
+)
+def test_a_forged_release_token_is_refused(forged):
+    key = release_key(SECRET)
+    real = release_token(key, "boot0", "xfer-1")
+    token = {
+        "flip": real[:-1] + ("0" if real[-1] != "0" else "1"),
+        "raw": release_token(SECRET, "boot0", "xfer-1"),
+        "other": release_token(release_key(b"another secret"), "boot0", "xfer-1"),
+    }.get(forged, forged)
+    assert not release_token_ok(key, "boot0", "xfer-1", token)
+
+
+def test_the_release_key_is_derived_and_no_session_key():
+    key = release_key(SECRET)
+    assert key != SECRET and len(key) == 32
+    client, server = established_pair()
+    assert key not in (client._send_key, client._recv_key, server._refusal_key(client.nonce))
+
+
+def test_without_a_secret_no_release_token_is_good():
+    """An insecure instance hands out no tokens: an empty key proves nothing."""
+    for token in ("", release_token(b"", "boot0", "xfer-1")):
+        assert not release_token_ok(b"", "boot0", "xfer-1", token)

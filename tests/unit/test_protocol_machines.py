@@ -865,6 +865,72 @@ def test_a_watchdog_that_fires_before_the_session_is_up_frees_the_producers_kv()
     sim.check()
 
 
+def test_the_routers_release_frees_held_kv_no_consumer_claimed_or_announced():
+    """The decode leg never reached decode's engine (refused, unreachable, its client
+    gone first): no consumer will ever name the transfer, and only the router knows.
+    On its word the KV goes back at once, not at the end of the lease."""
+    sim = Sim()
+    sim.ready("t1")
+    sim.router_release("t1")
+    assert sim.released == {"t1": "router_released"} and not sim.kept
+    sim.router_release("t1")  # again: nothing is held any more
+    assert sim.kept == {"t1": "ended"} and sim.released == {"t1": "router_released"}
+    sim.check()
+
+
+def test_the_routers_release_of_kv_not_computed_yet_frees_it_the_moment_it_exists():
+    sim = Sim()
+    sim.pending("t1")
+    sim.router_release("t1")
+    assert not sim.released and not sim.kept
+    sim.ready("t1")
+    assert sim.released == {"t1": "router_released"}
+    sim.check()
+
+
+@pytest.mark.parametrize("consumer_stage", ["announced", "claimed", "writing"])
+def test_the_routers_release_keeps_kv_a_consumer_announced_or_claimed(consumer_stage):
+    """The router may be wrong: its leg reached decode after all. Decode's word wins,
+    and the transfer goes on as if nothing was asked."""
+    sim = Sim()
+    sim.announce("t1")
+    if consumer_stage != "announced":
+        sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    if consumer_stage == "writing":
+        assert "t1" in sim.writes
+    sim.router_release("t1")
+    assert sim.kept == {"t1": "announced" if consumer_stage == "announced" else "claimed"}
+    assert not sim.released
+    if consumer_stage == "announced":
+        sim.expect("t1")
+    sim.deliver()
+    sim.settle()
+    assert sim.c.delivered == ["t1"] and sim.released == {"t1": "sent"}
+    sim.check()
+
+
+def test_the_routers_release_of_kv_whose_announcers_were_lost_frees_it():
+    """Every consumer that announced the transfer is gone: no claim is coming, as
+    when it was never announced."""
+    sim = Sim()
+    sim.announce("t1")
+    sim.deliver()
+    sim.ready("t1")
+    sim.kill_link()
+    sim.router_release("t1")
+    assert sim.released == {"t1": "router_released"}
+    sim.check()
+
+
+def test_the_routers_release_of_a_transfer_never_here_changes_nothing():
+    sim = Sim()
+    sim.router_release("nobody")
+    assert sim.kept == {"nobody": "unknown"} and not sim.released
+    sim.check()
+
+
 def test_a_consumers_cancel_frees_only_kv_nobody_claimed():
     """A Cancel (authenticated: a forged or replayed one never reaches the machine)
     ends an unclaimed transfer, as "decode_cancelled"; one for a transfer another
