@@ -41,8 +41,8 @@ def identity_unreachable(
     if is_loopback(host):
         said += (
             f". {host} is a loopback address: it leads to the router's own host (and network "
-            "namespace) only, so an instance on another host must be named by an address "
-            "the router reaches"
+            "namespace) only; if the instance runs elsewhere, name it by an address the "
+            "router reaches"
         )
     return said
 

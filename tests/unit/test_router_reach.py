@@ -60,7 +60,7 @@ def test_a_listener_that_never_answers_times_out(monkeypatch):
 def test_a_loopback_identity_url_says_where_it_leads():
     message = asyncio.run(_learn(f"http://localhost:{_closed_port()}/query"))
     assert "localhost is a loopback address: it leads to the router's own host" in message
-    assert "named by an address the router reaches" in message
+    assert "if the instance runs elsewhere, name it by an address the router reaches" in message
 
 
 def test_a_routable_address_gets_no_loopback_note():
