@@ -148,9 +148,12 @@ class TwoHosts:
         return process
 
     def close(self) -> None:
+        # Every one killed before any is waited for: none is left to report that
+        # another went away.
         for process in self._processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
+        for process in self._processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(10)
         # Deleting a namespace deletes the veth end inside it, and with it the pair.
