@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -40,13 +41,22 @@ def _doctor(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for row in rows:
-        state = "ok" if row["would_attach"] else f"OFF ({row['problem']})"
-        state = state if row["applies"] else "n/a (nothing to reach in this vLLM)"
         versions = ",".join(row["verified"])
-        print(f"{row['hook']:<20} vLLM {row['vllm']:<12} verified on {versions}: {state}")
-        if not row["would_attach"]:
+        print(f"{row['hook']:<20} vLLM {row['vllm']:<12} verified on {versions}: {_state(row)}")
+        if row["applies"] and not row["would_attach"]:  # n/a: there is nothing to miss
             print(f"{'':<20} costs: {row['cost_when_off']}")
     return 0
+
+
+def _state(row: dict) -> str:
+    """A hook's state as `kvpush doctor` prints it."""
+    from kvpush.vllm.hooks import OFF_ENV
+
+    if not row["applies"]:
+        return "n/a (nothing to reach in this vLLM)"
+    if row["turned_off"]:
+        return f"off ({OFF_ENV})"
+    return "ok" if row["would_attach"] else f"OFF ({row['problem']})"
 
 
 def _contract(args: argparse.Namespace) -> int:
@@ -130,6 +140,7 @@ def _router(args: argparse.Namespace) -> int:
     from kvpush.router.app import RouterConfig, run
     from kvpush.router.instances import Instance
 
+    _show_router_logs()
     config = RouterConfig(
         prefill=[Instance.parse(spec, "prefill") for spec in args.prefill],
         decode=[Instance.parse(spec, "decode") for spec in args.decode],
@@ -142,6 +153,20 @@ def _router(args: argparse.Namespace) -> int:
     )
     run(config, args.host, args.port, args.loop)
     return 0
+
+
+def _show_router_logs() -> None:
+    """The router's INFO lines (where it listens, each instance's identity, each
+    coming back) on stderr: Python shows only warnings from a logger nobody set up.
+    Logging that the process set up already (a test's, an embedding program's) is
+    left as it is."""
+    kvpush_log = logging.getLogger("kvpush")
+    if kvpush_log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    kvpush_log.addHandler(handler)
+    kvpush_log.setLevel(logging.INFO)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -186,15 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill",
         action="append",
         required=True,
-        metavar="URL[,bootstrap=PORT]",
-        help="a prefill vLLM server; bootstrap= is its kvpush identity_port (repeatable)",
+        metavar="URL[,identity=PORT]",
+        help="a prefill vLLM server; identity= is its kvpush identity_port, not its "
+        "bootstrap_port (bootstrap= is accepted too) (repeatable)",
     )
     router.add_argument(
         "--decode",
         action="append",
         required=True,
-        metavar="URL[,bootstrap=PORT]",
-        help="a decode vLLM server; bootstrap= is its kvpush identity_port, so the router "
+        metavar="URL[,identity=PORT]",
+        help="a decode vLLM server; identity= is its kvpush identity_port, so the router "
         "can refuse a pair that cannot exchange KV before sending it requests (repeatable)",
     )
     router.add_argument("--port", type=a.port, default=8000, help="port to listen on")

@@ -1,4 +1,5 @@
-"""Counters and histograms for a kvpush worker, readable as a dict or Prometheus text.
+"""Counters, gauges and histograms for a kvpush worker or the router, readable as a dict
+or Prometheus text.
 
 Thread-safe: the loop thread records, any thread reads.
 """
@@ -61,12 +62,18 @@ def quantile(samples: Iterable[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+Series = dict[tuple[tuple[str, str], ...], float]  # a metric's value by label set
+
+
 class Metrics:
-    """Named counters (with label sets) and histograms."""
+    """Named counters and gauges (with label sets) and histograms. A counter only
+    rises; a gauge is a value now (requests in flight, an instance up), which
+    Prometheus must not read as a rate."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
+        self._counters: dict[str, Series] = defaultdict(dict)
+        self._gauges: dict[str, Series] = defaultdict(dict)
         self._histograms: dict[str, Histogram] = {}
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
@@ -74,6 +81,22 @@ class Metrics:
         with self._lock:
             series = self._counters[name]
             series[key] = series.get(key, 0.0) + value
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        """Gauge `name` is `value` now."""
+        with self._lock:
+            self._gauges[name][tuple(sorted(labels.items()))] = value
+
+    def add(self, name: str, value: float, **labels: str) -> None:
+        """Gauge `name` moves by `value` (either way)."""
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = self._gauges[name]
+            series[key] = series.get(key, 0.0) + value
+
+    def gauge(self, name: str, **labels: str) -> float:
+        with self._lock:
+            return self._gauges.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
 
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -111,9 +134,14 @@ class Metrics:
                 name: {_label_text(key) or "total": value for key, value in series.items()}
                 for name, series in self._counters.items()
             }
+            gauges = {
+                name: {_label_text(key) or "value": value for key, value in series.items()}
+                for name, series in self._gauges.items()
+            }
             histograms = {name: h for name, h in self._histograms.items()}
         return {
             "counters": counters,
+            "gauges": gauges,
             "histograms": {
                 name: {
                     "count": h.count,
@@ -137,6 +165,12 @@ class Metrics:
                 full = f"{prefix}{name}_total"
                 lines.append(f"# HELP {full} {HELP.get(name, name)}")
                 lines.append(f"# TYPE {full} counter")
+                for key, value in sorted(series.items()):
+                    lines.append(f"{full}{_labels(extra + key)} {value:g}")
+            for name, series in sorted(self._gauges.items()):
+                full = f"{prefix}{name}"
+                lines.append(f"# HELP {full} {HELP.get(name, name)}")
+                lines.append(f"# TYPE {full} gauge")
                 for key, value in sorted(series.items()):
                     lines.append(f"{full}{_labels(extra + key)} {value:g}")
             for name, h in sorted(self._histograms.items()):

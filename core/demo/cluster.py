@@ -106,7 +106,7 @@ class Cluster:
         """How the router is told about a server: URL plus identity port."""
         server = self.servers[name]
         port = self.identity_ports.get(name)
-        return f"{server.url},bootstrap={port}" if port else server.url
+        return f"{server.url},identity={port}" if port else server.url
 
     def identity_url(self, name: str, dp_rank: int = 0) -> str:
         server = self.servers.get(name)

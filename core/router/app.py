@@ -10,7 +10,8 @@ prefill let go of the KV it computed for it (release.py).
 
 One module, past 550 lines: the request path reads top to bottom, from the handler
 through both legs to the error the client gets. The parts that stand alone live
-beside it: instances.py (pools, pairing), legs.py (what each leg is sent, and the
+beside it: instances.py (pools, pairing), health.py (the /health probes),
+startup.py (what it says as it starts), legs.py (what each leg is sent, and the
 OpenAI-style errors), request.py (a request's trace and its legs' failures), sse.py
 (server-sent events), first_token.py with early.py (the first token from
 prefill), and release.py (prefill KV that no decode will claim).
@@ -42,6 +43,7 @@ from kvpush.limits import raise_open_files
 from kvpush.metrics import Metrics
 from kvpush.router import LOOPS, first_token
 from kvpush.router.early import FirstTokenStreams
+from kvpush.router.health import HealthWatch
 from kvpush.router.instances import Instance, Pool, pairing_problem
 from kvpush.router.legs import (
     decode_leg,
@@ -49,7 +51,7 @@ from kvpush.router.legs import (
     openai_error,
     prefill_leg,
 )
-from kvpush.router.reach import identity_unreachable
+from kvpush.router.reach import identity_unreachable, not_an_identity
 from kvpush.router.release import PrefillReleases
 from kvpush.router.request import (
     ANSWERED,
@@ -62,6 +64,7 @@ from kvpush.router.request import (
     upstream_message,
 )
 from kvpush.router.sse import Rewriter, first_word, whole_json
+from kvpush.router.startup import introduction, listening
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,8 @@ class Router(FirstTokenStreams):
         self._health_task: asyncio.Future | None = None
         self._draining: set[asyncio.Future] = set()  # decode legs nobody reads (_drain)
         self.releases = PrefillReleases(self._http, self.metrics)  # KV no decode will claim
+        self.watch = HealthWatch(self.prefill.instances + self.decode.instances, self.metrics,
+                                 self._http)  # fmt: skip
 
     # -- application ------------------------------------------------------------------
 
@@ -141,7 +146,8 @@ class Router(FirstTokenStreams):
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.config.keepalive_s),
         )
         for instance in self.prefill.instances + self.decode.instances:
-            await self._try_learning(instance)
+            problem = await self._try_learning(instance)
+            log.log(*introduction(instance, problem, self.config.mode))
         for prefill in self.prefill.instances:
             for decode in self.decode.instances:
                 problem = self._pair_problem(prefill, decode)
@@ -149,7 +155,9 @@ class Router(FirstTokenStreams):
                     log.error("kvpush router: %s", problem)
 
         if self.config.health_interval_s > 0:
-            self._health_task = asyncio.ensure_future(self._check_health_forever())
+            self._health_task = asyncio.ensure_future(
+                self.watch.forever(self.config.health_interval_s)
+            )
 
     async def _stop(self, app: web.Application) -> None:
         if self._health_task is not None:
@@ -158,20 +166,11 @@ class Router(FirstTokenStreams):
         if self.session is not None:
             await self.session.close()
 
-    async def _check_health_forever(self) -> None:
-        """Eject an instance whose /health fails until it answers again."""
-        everyone = self.prefill.instances + self.decode.instances
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            states = await asyncio.gather(*(self._healthy(i) for i in everyone))
-            for instance, ok in zip(everyone, states, strict=True):
-                if not ok:
-                    self._eject(instance, "health_check", self.config.health_interval_s * 2)
-
-    def _eject(self, instance: Instance, why: str, seconds: float | None = None) -> None:
-        cooldown = self.config.cooldown_s if seconds is None else seconds
-        instance.ejected_until = max(instance.ejected_until, time.monotonic() + cooldown)
-        self.metrics.inc("instance_ejections", instance=instance.url, why=why)
+    def _eject(self, instance: Instance) -> None:
+        """Out of the pick for a cooldown: a leg failed on it."""
+        cooldown_end = time.monotonic() + self.config.cooldown_s
+        instance.ejected_until = max(instance.ejected_until, cooldown_end)
+        self.metrics.inc("instance_ejections", instance=instance.url, why="leg_failed")
 
     # -- endpoints --------------------------------------------------------------------
 
@@ -186,13 +185,13 @@ class Router(FirstTokenStreams):
             return self._error(endpoint, 400, f"invalid JSON body: {exc}", "invalid_request_error")
         trace = request[TRACE] = Trace()
         headers = _forwarded(request)
-        self.metrics.inc("router_in_flight")
+        self.metrics.add("router_in_flight", 1)
         try:
             return await self._dispatch_with_retry(request, endpoint, body, headers)
         except LegFailed as exc:
             return self._error(endpoint, exc.status, exc.message, exc.kind)
         finally:
-            self.metrics.inc("router_in_flight", -1)
+            self.metrics.add("router_in_flight", -1)
             self.metrics.observe("router_request_seconds", time.monotonic() - started)
             trace.mark("done")
             self._record(trace)
@@ -206,8 +205,8 @@ class Router(FirstTokenStreams):
         for attempt in range(2):
             prefill = self.prefill.pick(avoid=failed if failed in self.prefill.instances else None)
             for instance in self.decode.instances:
-                if not instance.ranks:
-                    await self._try_learning(instance)
+                if not instance.ranks and (problem := await self._try_learning(instance)):
+                    log.warning("kvpush router: %s", problem)
             decode = self.decode.pick(
                 avoid=failed if failed in self.decode.instances else None,
                 fits=lambda d, p=prefill: self._pair_problem(p, d) is None,
@@ -226,7 +225,7 @@ class Router(FirstTokenStreams):
                 self.metrics.inc("instance_outcomes", instance=exc.instance.url, outcome="failed")
                 if not exc.retryable:
                     raise
-                self._eject(exc.instance, "leg_failed")
+                self._eject(exc.instance)
                 pool = self.prefill if exc.instance.role == "prefill" else self.decode
                 if attempt or request.get(ANSWERED) or not pool.has_other(exc.instance):
                     raise
@@ -253,10 +252,9 @@ class Router(FirstTokenStreams):
             )
 
     async def health(self, request: web.Request) -> web.Response:
-        states = await asyncio.gather(
-            *(self._healthy(i) for i in self.prefill.instances + self.decode.instances)
-        )
         everyone = self.prefill.instances + self.decode.instances
+        problems = await asyncio.gather(*(self.watch.probe(i) for i in everyone))
+        states = [problem is None for problem in problems]
         report = {
             i.url: {"role": i.role, "healthy": ok, "outstanding": i.outstanding}
             for i, ok in zip(everyone, states, strict=True)
@@ -308,7 +306,12 @@ class Router(FirstTokenStreams):
             try:
                 await self._learn_identity(prefill)
             except LegFailed as exc:
-                log.warning("kvpush router: %s", exc.message)
+                log.warning(
+                    "kvpush router: %s; so this request runs its legs one after the other: "
+                    "the prefill leg runs before decode is sent (no overlap, the first token "
+                    "later), and its answer names the instance for the next",
+                    exc.message,
+                )
             self._refuse_unpairable(prefill, decode)
         if self.config.mode == "pull" or not prefill.ranks:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
@@ -557,17 +560,18 @@ class Router(FirstTokenStreams):
 
     # -- helpers ----------------------------------------------------------------------
 
-    async def _try_learning(self, instance: Instance) -> None:
-        """Learn an instance's identity if it names an endpoint; one that does not
-        answer yet is asked again when a request needs it, at most once a cooldown
-        (not on every request while it is down)."""
+    async def _try_learning(self, instance: Instance) -> str | None:
+        """Learn an instance's identity if it names an endpoint, or say why it could
+        not; one that does not answer yet is asked again when a request needs it, at
+        most once a cooldown (not on every request while it is down)."""
         now = time.monotonic()
         if instance.identity_url and now >= instance.identity_asked + self.config.cooldown_s:
             instance.identity_asked = now
             try:
                 await self._learn_identity(instance)
             except LegFailed as exc:
-                log.warning("kvpush router: %s", exc.message)
+                return exc.message
+        return None
 
     async def _kvpush_reason(
         self, decode: Instance, leg: dict[str, Any], failure: LegFailed
@@ -633,20 +637,14 @@ class Router(FirstTokenStreams):
         try:
             identity = parse_identity(answer, f"{url}'s answer")
         except IdentityError as exc:
-            raise LegFailed(502, str(exc)) from None
+            why = not_an_identity(instance.role, instance.url, answer, exc)
+            raise LegFailed(502, why) from None
         if identity.transfer_mode != self.config.mode:
             log.warning(
                 "kvpush router: %s is in %s mode, the router in %s mode",
                 instance.url, identity.transfer_mode, self.config.mode,
             )  # fmt: skip
         return identity
-
-    async def _healthy(self, instance: Instance) -> bool:
-        try:
-            async with self._http().get(instance.url + "/health") as response:
-                return response.status == 200
-        except aiohttp.ClientError:
-            return False
 
     def _http(self) -> aiohttp.ClientSession:
         assert self.session is not None, "the router is not started"
@@ -683,13 +681,14 @@ def event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
 def run(config: RouterConfig, host: str, port: int, loop: str = "auto") -> None:
     """Serve until interrupted."""
     raise_open_files()
+    here = listening(host, port, config.mode, len(config.prefill), len(config.decode))
     # handler_cancellation: a client that goes away cancels its handler, which closes
     # both legs' connections, which makes vLLM abort them (streaming or not).
     web.run_app(
         Router(config).app(),
         host=host,
         port=port,
-        print=None,
+        print=lambda _: log.info(here),  # called once every socket listens
         backlog=BACKLOG,
         handle_signals=True,
         handler_cancellation=True,

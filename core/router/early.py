@@ -145,7 +145,7 @@ class FirstTokenStreams:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
             self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
-            self._eject(decode, "leg_failed")
+            self._eject(decode)
             why = f"decode instance {decode.url} failed: {describe(exc)}"
         try:
             await asyncio.gather(*continuations)

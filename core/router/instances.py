@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,8 @@ from urllib.parse import urlsplit
 from kvpush.errors import ConfigError
 from kvpush.identities import InstanceIdentity
 from kvpush.layout import block_size_problem, tp_problem
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Instance:
     ranks: dict[int, InstanceIdentity] = field(default_factory=dict, repr=False)
     ejected_until: float = 0.0  # monotonic time; picked again only after it
     identity_asked: float = float("-inf")  # monotonic time its identity was last asked
+    up: bool = True  # as its last /health probe found it (none yet: presumed up)
     _turn: int = 0
 
     def learn(self, identity: InstanceIdentity) -> None:
@@ -54,21 +58,63 @@ class Instance:
 
     @classmethod
     def parse(cls, spec: str, role: str) -> Instance:
-        """ "http://host:8100" or "http://host:8100,bootstrap=8998" (its identity
-        endpoint's port, on the same host)."""
+        """ "http://host:8100" or "http://host:8100,identity=7900" (its identity
+        endpoint's port, on the same host; `bootstrap=` is the same option)."""
         url, *options = (part.strip() for part in spec.split(","))
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"{role} instance {spec!r} is not an http(s) URL")
+        try:
+            port = parts.port  # urlsplit checks the port only when asked
+        except ValueError:  # past 65535, or not a number
+            port = 0
+        if port == 0:
+            raise ConfigError(f"{role} instance {spec!r}: its port must be an integer in 1-65535")
         identity_url = None
         for option in options:
-            key, _, value = option.partition("=")
-            if key != "bootstrap" or not value.isdigit():
-                raise ConfigError(
-                    f"unknown option {option!r} in {spec!r}; the only option is bootstrap=PORT"
-                )
-            identity_url = f"http://{parts.hostname}:{value}/query"
-        return cls(url.rstrip("/"), role, identity_url)
+            identity_port = _identity_port(option, spec)
+            identity_url = f"http://{bracketed(parts.hostname)}:{identity_port}/query"
+        return cls(_api_base(url.rstrip("/"), role), role, identity_url)
+
+
+# "bootstrap" is an alias of "identity", so that commands already written keep working.
+IDENTITY_OPTIONS = ("identity", "bootstrap")
+
+
+def _identity_port(option: str, spec: str) -> int:
+    key, _, value = option.partition("=")
+    if key.strip() not in IDENTITY_OPTIONS:
+        raise ConfigError(
+            f"unknown option {option!r} in {spec!r}; the only option is identity=PORT "
+            "(the instance's identity_port; bootstrap=PORT is the same)"
+        )
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{option!r} in {spec!r}: the port must be an integer in 1-65535")
+    return port
+
+
+def _api_base(url: str, role: str) -> str:
+    """The URL the router adds `/v1/completions` to. The OpenAI base URL a client is
+    given ends in /v1, so that is what gets pasted here; kept, every request would
+    go to /v1/v1/completions and fail with a 404. Its meaning is not in doubt, so it
+    is taken off, and the operator told."""
+    if not url.endswith("/v1"):
+        return url
+    log.warning(
+        "kvpush router: %s instance %s: dropping its trailing /v1 (the router adds "
+        "/v1/completions itself); using %s",
+        role, url, url.removesuffix("/v1"),
+    )  # fmt: skip
+    return url.removesuffix("/v1")
+
+
+def bracketed(host: str) -> str:
+    """A host as a URL names it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 class Pool:

@@ -1,11 +1,13 @@
 """Why the router could not learn an instance's identity, in words that point at
-the cause: nothing listening, no answer, something else answering, and whether the
-address leads back to the router's own host."""
+the cause: nothing listening, no answer, something else answering (the instance's
+Mooncake bootstrap port, say), and whether the address leads back to the router's
+own host."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -24,7 +26,7 @@ def identity_unreachable(
     if _refused(exc):
         said = (
             f"{where} refused the connection: nothing listens on port {port} there. Is the "
-            f"instance up, and is {port} its identity_port (bootstrap= names it)?"
+            f"instance up, and is {port} its identity_port (identity= names it)?"
         )
     elif isinstance(exc, TimeoutError | asyncio.TimeoutError):
         said = (
@@ -45,6 +47,20 @@ def identity_unreachable(
             "router reaches"
         )
     return said
+
+
+def not_an_identity(role: str, instance_url: str, answer: Any, exc: Exception) -> str:
+    """What to tell the user when an identity endpoint answered JSON that is not a
+    kvpush identity. The likeliest port to confuse with identity_port is the
+    instance's bootstrap_port, whose Mooncake-shaped /query holds the identity one
+    level down: that one is named."""
+    where = f"{role} instance {instance_url}"
+    if isinstance(answer, dict) and isinstance(answer.get("0"), dict) and "kvpush" in answer["0"]:
+        return (
+            f"{where}: {exc}: it is the Mooncake-shaped answer of the instance's "
+            "bootstrap_port; identity= wants its identity_port"
+        )
+    return f"{where}: {exc}"
 
 
 def _refused(exc: BaseException | None) -> bool:

@@ -662,14 +662,18 @@ def probe() -> list[dict[str, Any]]:
     """Each hook against the installed vLLM, without starting an engine: whether its
     version was verified, and whether the targets that can be seen statically exist."""
     version = vllm_version()
+    off = turned_off()  # as an engine started from this shell would read it
     rows = []
     for hook in HOOKS.values():
         problem = _static_problem(hook.name)
         applies = problem != _NOT_HERE
         ok = verified(hook, version) or not hook.risky
+        if hook.name in off:
+            problem = f"turned off by {OFF_ENV}"
         rows.append({
             "hook": hook.name, "reaches": hook.reaches, "verified": list(hook.verified),
             "vllm": version, "matched": matched(hook, version), "applies": applies,
+            "turned_off": hook.name in off,
             "would_attach": applies and ok and not problem,
             "problem": problem or ("" if ok else f"vLLM {version} not verified"),
             "cost_when_off": hook.cost,

@@ -52,7 +52,9 @@ README = Path(__file__).parents[2] / "README.md"
 # (131,072 tokens), as conftest's servers have, rather than all 1 GiB holds.
 CPU_FLAGS = ("--enforce-eager", "--num-gpu-blocks-override", "1024")
 LONG_RUNNING = re.compile(r"^(vllm serve|kvpush router)\b")
-PORT = re.compile(r"""(?:--port |"identity_port":|//[^/\s:]+:|localhost:|bootstrap=)(\d{4,5})\b""")
+PORT = re.compile(
+    r"""(?:--port |"identity_port":|//[^/\s:]+:|localhost:|identity=|bootstrap=)(\d{4,5})\b"""
+)
 IDLE = {"sending": 0, "producing": 0, "receiving": 0}
 
 

@@ -73,6 +73,26 @@ def test_doctor_lists_every_vllm_hook_with_its_versions_and_cost():
         assert row["verified"] and row["cost_when_off"] and row["vllm"] != "unknown"
 
 
+def test_doctor_shows_a_hook_the_user_turned_off_as_off_and_no_cost_where_none_applies(
+    capsys, monkeypatch
+):
+    """An engine started from this shell would leave idle_wait off: doctor says so,
+    with its cost; engine_spin has nothing to reach in vLLM 0.32, so nothing to miss."""
+    from kvpush.cli import main
+    from kvpush.vllm.hooks import HOOKS
+
+    monkeypatch.setenv("KVPUSH_VLLM_HOOKS_OFF", "idle_wait")
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    [at] = [i for i, line in enumerate(lines) if line.startswith("idle_wait ")]
+    assert lines[at].endswith(": off (KVPUSH_VLLM_HOOKS_OFF)"), lines[at]
+    assert lines[at + 1].split() == ["costs:", *HOOKS["idle_wait"].cost.split()]
+    [at] = [i for i, line in enumerate(lines) if line.startswith("engine_spin ")]
+    assert ": n/a" in lines[at]
+    assert at + 1 == len(lines) or not lines[at + 1].lstrip().startswith("costs:"), lines
+    assert all(": ok" in line for line in lines if line.startswith("engine_inbox "))
+
+
 def test_router_loop_reaches_the_server_and_an_unknown_one_is_refused(monkeypatch):
     import kvpush.router.app as app
     from kvpush.cli import main

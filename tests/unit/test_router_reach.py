@@ -43,7 +43,7 @@ def test_a_refused_connection_says_so():
     port = _closed_port()
     message = asyncio.run(_learn(f"http://127.0.0.1:{port}/query"))
     assert f"endpoint http://127.0.0.1:{port}/query refused the connection" in message
-    assert f"is {port} its identity_port (bootstrap= names it)?" in message
+    assert f"is {port} its identity_port (identity= names it)?" in message
     assert "did not answer" not in message and OLD_ADVICE not in message
 
 
@@ -71,16 +71,15 @@ def test_a_routable_address_gets_no_loopback_note():
     assert "refused the connection" in message and "loopback" not in message
 
 
-def test_the_router_logs_the_reason(caplog):
+def test_the_router_says_the_reason_as_it_starts(caplog):
     port = _closed_port()
     prefill = Instance("http://127.0.0.1:1", "prefill", f"http://127.0.0.1:{port}/query")
     router = Router(RouterConfig([prefill], [Instance("http://127.0.0.1:2", "decode")]))
 
-    async def learn() -> None:
-        router.session = aiohttp.ClientSession()
-        await router._try_learning(prefill)
-        await router.session.close()
+    async def start() -> None:
+        await router._start(None)
+        await router._stop(None)
 
     with caplog.at_level(logging.WARNING, logger="kvpush.router.app"):
-        asyncio.run(learn())
+        asyncio.run(start())
     assert any("refused the connection" in r.getMessage() for r in caplog.records)
