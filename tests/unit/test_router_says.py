@@ -50,6 +50,8 @@ class Server:
         self.query = query
         self.probes = 0
         self.legs: list[str] = []  # "prefill" or "decode", in the order they came
+        self.hold = asyncio.Event()  # a prefill leg is answered once it is set
+        self.hold.set()
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -79,7 +81,7 @@ class Server:
         params = (await request.json())["kv_transfer_params"]
         if params.get("do_remote_decode"):
             self.legs.append("prefill")
-            await asyncio.sleep(0.2)
+            await self.hold.wait()
             echo = {"remote_engine_id": "engine-p", "remote_epoch": "e1",
                     "transfer_mode": "push", "remote_addresses": ["127.0.0.1:1"],
                     "tp_size": 1, "transfer_id": params["transfer_id"]}  # fmt: skip
@@ -308,13 +310,16 @@ def test_requests_in_flight_are_a_gauge():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        server.hold.clear()
         async with aiohttp.ClientSession() as http:
             request = asyncio.ensure_future(
                 http.post(base + "/v1/completions", json={"prompt": "p"})
             )
-            await asyncio.sleep(0.1)  # the prefill leg takes 0.2 s
+            while not server.legs:  # the prefill leg arrived: the request is in flight
+                await asyncio.sleep(0.01)
             async with http.get(base + "/metrics") as r:
                 during = await r.text()
+            server.hold.set()
             (await request).release()
             async with http.get(base + "/metrics") as r:
                 after = await r.text()
