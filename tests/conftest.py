@@ -26,7 +26,7 @@ E2E_MINUTES = {
     "test_bench_serve.py": 2.8, "test_vllm_preemption.py": 2.4,
     "test_vllm_upstream.py": 2.0, "test_vllm_overload.py": 1.6,
     "test_vllm_block_sizes.py": 1.1, "test_vllm_progressive.py": 1.0,
-    "test_vllm_security.py": 1.0, "test_vllm_two_hosts.py": 3.2,
+    "test_vllm_security.py": 1.0, "test_vllm_two_hosts.py": 5.5,
     "test_vllm_first_token.py": 3.1, "test_vllm_readme.py": 1.5,
 }  # fmt: skip
 

@@ -22,103 +22,30 @@ fail as it must.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
-import json
-import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import netns
+import network_faults as faults
 import pytest
-from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt, streamed
+from conftest import DECODE_TIMERS, Client, prompt, streamed
+from two_hosts import (
+    COMPLETIONS,
+    LENGTHS,
+    VLLM_ROUTER,
+    Shape,
+    TwoHostPair,
+    across_the_link,
+    concurrently,
+    decode_sources,
+    expected_tokens,
+)  # fmt: skip
 
 from kvpush.demo.cluster import Cluster
 from kvpush.demo.servers import MODEL_NAME
-from kvpush.demo.tinymodel import SHAPE, kv_bytes_per_token
 from kvpush.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
-
-UCX_TLS = os.environ.get("KVPUSH_TWO_HOSTS_UCX_TLS", "tcp,self")
-# UCX prints the protocols it chose for each endpoint, with their transports.
-UCX_REPORT = {"UCX_PROTO_INFO": "y"}
-KV_BYTES_PER_TOKEN = kv_bytes_per_token(SHAPE)  # fp32, as the servers run
-# 2 tokens to several 128-token blocks, with a block's edges.
-LENGTHS = (2, 127, 128, 129, 300, 700)
-SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
-VLLM_ROUTER = str(Path(sys.executable).with_name("vllm-router"))
-COMPLETIONS = "/v1/completions"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What runs on the two hosts: prefill on `a` at `prefill_tp`, decode on `b`."""
-
-    mode: str = "push"
-    prefill_tp: int = 1
-
-
-class TwoHostPair:
-    """A prefill on host a and a decode on host b, in one shape at a time; a new shape
-    restarts only the side it changes (two of either would not fit two cores)."""
-
-    def __init__(self, cluster: Cluster, hosts: netns.TwoHosts) -> None:
-        self.cluster, self.hosts = cluster, hosts
-        self.prefill = self.decode = ""
-        self.shape = Shape()
-
-    def running(self, shape: Shape) -> None:
-        prefill = f"hosts_prefill_{shape.mode}_tp{shape.prefill_tp}"
-        decode = f"hosts_decode_{shape.mode}"
-        wanted = [n for n, now in ((prefill, self.prefill), (decode, self.decode)) if n != now]
-        for old in (self.prefill, self.decode):
-            if old and old not in (prefill, decode):
-                self.cluster.servers.pop(old).stop()
-        self.prefill, self.decode, self.shape = prefill, decode, shape
-        if prefill in wanted:
-            self._add(prefill, self.hosts.a, "kv_producer", shape.mode, shape.prefill_tp,
-                      **PREFILL_TIMERS)  # fmt: skip
-        if decode in wanted:
-            self._add(decode, self.hosts.b, "kv_consumer", shape.mode, 1, **DECODE_TIMERS)
-        if wanted:
-            self.cluster.start(*wanted)
-        if prefill in wanted and shape.prefill_tp > 1:
-            # A TP 2 engine's first forward pass builds its kernels for many seconds:
-            # done here, so that no transfer's watchdog waits on it.
-            warm = Client()
-            try:
-                warm.tokens(self.cluster.servers[prefill].url, prompt(300, 10999), max_tokens=2)
-            finally:
-                warm.http.close()
-
-    def _add(self, name: str, host: netns.Host, role: str, mode: str, tp: int, **timers) -> None:
-        core = 0 if host is self.hosts.a else 1  # a TP 2 server takes both
-        server = self.cluster.add_server(name, role, core=core, mode=mode, tp=tp, **timers)
-        server.spec.host, server.spec.launcher = host.address, host.command([])
-        server.spec.env.update(UCX_REPORT)
-        if UCX_TLS != "unpinned":
-            server.spec.env["UCX_TLS"] = UCX_TLS
-
-    def stop(self) -> None:
-        for name in (self.prefill, self.decode):
-            server = self.cluster.servers.pop(name, None)
-            if server is not None:
-                server.stop()
-        self.prefill = self.decode = ""
-
-    def url(self, side: str) -> str:
-        return self.cluster.servers[getattr(self, side)].url
-
-    def router(self, name: str) -> str:
-        return self.cluster.start_router(
-            [self.prefill], [self.decode], mode=self.shape.mode, name=name
-        )
 
 
 @pytest.fixture(scope="module")
@@ -141,103 +68,6 @@ def pair(workspace: Cluster, single: str, hosts: netns.TwoHosts) -> Iterator[Two
         yield made
     finally:
         made.stop()
-
-
-# -- what every test checks -----------------------------------------------------------
-
-
-def link_sent_bytes(host: netns.Host) -> int:
-    """Bytes `host` has sent on its end of the host-to-host link."""
-    shown = subprocess.run(
-        ["ip", "-j", "-s", "-n", host.namespace, "link", "show", "dev", host.device],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"]
-
-
-TABLE_TITLE = re.compile(r"\s(\S+) cfg#\d+\s*\|")  # "| kvpush-1f2e- inter-node cfg#1 |"
-TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([\w.:-]+)")  # "tcp/eth0", "cma/memory"
-
-
-def ucx_peer_lanes(log: str) -> set[str]:
-    """The transports UCX reported (UCX_PROTO_INFO) for remote memory writes and reads
-    to another process: its tables for "intra-node" and "inter-node" endpoints, not
-    for this process's own ("self")."""
-    lanes: set[str] = set()
-    scope, rma = "", False
-    for line in log.splitlines():
-        if (title := TABLE_TITLE.search(line)) is not None:
-            scope, rma = title.group(1), False
-        elif "remote memory write" in line or "remote memory read" in line:
-            rma = True
-        elif "active message" in line:
-            rma = False
-        elif scope and scope != "self" and rma and line.rstrip().endswith("|"):
-            lanes |= {m.group(0) for m in TRANSPORT.finditer(line.rsplit("|", 2)[-2])}
-    return lanes
-
-
-def decode_sources(client: Client, url: str) -> dict[str, float]:
-    """Decode's prompt tokens by where their KV came from."""
-    totals = dict.fromkeys(SOURCES, 0.0)
-    for line in client.http.get(url + "/metrics").text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            totals[source] = totals.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
-
-
-@contextlib.contextmanager
-def across_the_link(client: Client, pair: TwoHostPair, prompts: list[list[int]]) -> Iterator[None]:
-    """Asserts, after the block's requests (`prompts`, each once, through the pair),
-    that each prompt's KV arrived by transfer, across the link on UCX's TCP lane, and
-    that neither side holds anything afterwards."""
-    decode = pair.url("decode")
-    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
-    sources, sent = decode_sources(client, decode), link_sent_bytes(pair.hosts.a)
-    yield
-    deadline = time.monotonic() + 10  # decode's counters ride on its engine's steps
-    while client.metric(decode, "vllm:kvpush_delivered_total") < delivered + len(prompts):
-        assert time.monotonic() < deadline, "decode did not receive every prompt's KV"
-        time.sleep(0.2)
-    assert client.metric(decode, "vllm:kvpush_delivered_total") == delivered + len(prompts)
-    moved = {k: v - sources[k] for k, v in decode_sources(client, decode).items()}
-    # vLLM counts the last prompt token, which decode computes again, as transferred.
-    tokens = sum(len(p) for p in prompts)
-    assert moved == {"external_kv_transfer": tokens, "local_compute": 0,
-                     "local_cache_hit": 0}, moved  # fmt: skip
-    for side in ("prefill", "decode"):
-        state = client.wait_drained(pair.cluster.identity_url(getattr(pair, side)))
-        assert state == {"sending": 0, "producing": 0, "receiving": 0}, (side, state)
-    # Every prompt token's KV but the last, which decode computes again, must cross.
-    least = sum(len(p) - 1 for p in prompts) * KV_BYTES_PER_TOKEN
-    crossed = link_sent_bytes(pair.hosts.a) - sent
-    wrong = off_the_tcp_lane(pair)
-    if crossed < least:
-        wrong.append(f"prefill's host sent {crossed} bytes on the link, less than the KV's {least}")
-    assert not wrong, wrong
-
-
-def off_the_tcp_lane(pair: TwoHostPair) -> list[str]:
-    """What UCX reported other than TCP on the host-to-host link for the remote
-    memory writes and reads between the two servers, or that it reported none."""
-    reported, wrong = 0, []
-    for side, host in (("prefill", pair.hosts.a), ("decode", pair.hosts.b)):
-        log = pair.cluster.servers[getattr(pair, side)].log_path.read_text(errors="replace")
-        lanes = ucx_peer_lanes(log)
-        reported += len(lanes)
-        if lanes - {f"tcp/{host.device}"}:
-            wrong.append(f"UCX on {side} reports {sorted(lanes)}, not tcp/{host.device} alone")
-    return wrong if reported else ["no UCX endpoint reported its transports"]
-
-
-def expected_tokens(client: Client, single: str, prompts: list[list[int]]) -> list[list[int]]:
-    return [client.tokens(single, p) for p in prompts]
-
-
-def concurrently(client: Client, url: str, prompts: list[list[int]]) -> list[list[int]]:
-    with cf.ThreadPoolExecutor(3) as pool:
-        return list(pool.map(lambda p: client.tokens(url, p), prompts))
 
 
 # -- the tests --------------------------------------------------------------------------
@@ -344,3 +174,163 @@ def test_pull_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, c
         pair.cluster.stop_router("hosts-pull")
     assert got == expected
     assert stream == stream_expected and from_decode == 0
+
+
+# -- network faults, under load (tests/e2e/network_faults.py) -------------------------
+# Push, with prefill's lease_s and registration_ttl_s at 10 s so that what a fault
+# strands is let go within a test; decode's watchdog_s is DECODE_TIMERS' 6 s.
+FAULT_SHAPE = Shape("push", lease_s=10.0)
+WATCHDOG_S = DECODE_TIMERS["watchdog_s"]
+# What a fault may leave behind is gone by then: the lease, a WRITE's grace and a
+# heartbeat, and the producer's silence rule (silence_s, 10 s by default).
+SETTLE_S = FAULT_SHAPE.lease_s + DECODE_TIMERS["write_grace_s"] + 10.0
+LEAD_S = 3.0  # load before a fault: requests in flight when it strikes
+
+
+@pytest.fixture(scope="module")
+def fault_router(pair: TwoHostPair) -> Iterator[str]:
+    pair.running(FAULT_SHAPE)
+    name = "hosts-faults"
+    url = pair.cluster.start_router([pair.prefill], [pair.decode], mode="push",
+                                    timeout_s=faults.ROUTER_TIMEOUT_S, name=name)  # fmt: skip
+    try:
+        yield url
+    finally:
+        pair.cluster.stop_router(name)
+        print("\n".join(["", "| fault | for | what each request got | recovered in | held after |",
+                         "|---|---|---|---|---|", *FAULT_TABLE]))  # fmt: skip
+
+
+FAULT_TABLE: list[str] = []
+
+
+def _under_load(router: str, seed: int, fault, healed_by: float = 30.0):
+    """Load through `router`; `fault()` (a context manager) after LEAD_S; the load goes
+    on until a request sent after the fault answers 200 (or `healed_by` seconds).
+    The requests, the fault's start and end, and the seconds to that first answer."""
+    with faults.Load(router, seed) as load:
+        time.sleep(LEAD_S)
+        struck = time.monotonic()
+        fault()
+        healed = time.monotonic()
+        deadline = healed + healed_by
+        while time.monotonic() < deadline and not any(
+            s.sent >= healed and s.status == 200 for s in list(load.sent)
+        ):
+            time.sleep(0.2)
+    after = [s.ended - healed for s in load.sent if s.sent >= healed and s.status == 200]
+    recovered = min(after) if after else float("inf")
+    return load.sent, struck, healed, recovered
+
+
+def _plain_answers(client: Client, single: str, sent: list[faults.Sent]) -> dict:
+    return {tuple(s.tokens): client.tokens(single, s.tokens, max_tokens=faults.MAX_TOKENS)
+            for s in sent if s.status == 200}  # fmt: skip
+
+
+def _in_flight(sent: list[faults.Sent], start: float, end: float) -> int:
+    return sum(1 for s in sent if s.sent < end and s.ended > start)
+
+
+def _after_healing(client: Client, pair: TwoHostPair, router: str, single: str, seed: int) -> str:
+    """New requests move their KV across the link (decode's counters, the lane); then
+    nothing is held on either side and no connection is open on one side only. What
+    is held, for the fault table."""
+    prompts = [prompt(n, seed + i) for i, n in enumerate((129, 400, 700))]
+    expected = expected_tokens(client, single, prompts)
+    with across_the_link(client, pair, prompts):
+        assert concurrently(client, router, prompts) == expected
+    held = {side: client.wait_drained(pair.cluster.identity_url(getattr(pair, side)), SETTLE_S)
+            for side in ("prefill", "decode")}  # fmt: skip
+    assert all(
+        state == {"sending": 0, "producing": 0, "receiving": 0} for state in held.values()
+    ), held
+    one_sided = faults.until(lambda: faults.half_open(pair.hosts.a, pair.hosts.b), SETTLE_S)
+    assert not one_sided, one_sided
+    return "0 / 0 / 0 on both; no one-sided connection"
+
+
+@pytest.mark.parametrize("cut_s", [2.0, 12.0], ids=["shorter-than-watchdog", "longer"])
+def test_a_partition_of_prefills_link_under_load_ends_every_request(
+    pair, client, single, fault_router, cut_s
+):
+    """Prefill's end of the host-to-host link down `cut_s`, then up. Either way a
+    request caught in it may fail, naming its cause (UCX fails a WRITE whose route
+    went: write_failed); shorter than decode's watchdog, none fails on the watchdog;
+    longer, some fail."""
+
+    def cut() -> None:
+        with faults.partitioned(pair.hosts.a):
+            time.sleep(cut_s)
+
+    seed = 31000 + int(cut_s) * 100
+    sent, struck, healed, recovered = _under_load(fault_router, seed, cut)
+    assert _in_flight(sent, struck, healed) >= faults.LOAD_CLIENTS, "no load during the cut"
+    wrong = faults.wrong_outcomes(sent, _plain_answers(client, single, sent))
+    assert not wrong, wrong
+    if cut_s < WATCHDOG_S:
+        assert not [s.error for s in sent if "watchdog" in s.error]
+    else:
+        assert any(s.status != 200 for s in sent), "no transfer outlived the watchdog's cut"
+    assert recovered < faults.BOUND_S, "no request answered after the link came back"
+    held = _after_healing(client, pair, fault_router, single, seed + 90)
+    FAULT_TABLE.append(faults.table_row(f"partition of prefill's link ({cut_s:g}s)", cut_s,
+                                        sent, recovered, held))  # fmt: skip
+
+
+def test_a_slow_link_under_load_answers_every_request(pair, client, single, fault_router):
+    """Prefill's sends held to 100 Mbit/s (tbf): slower, but every answer is plain's
+    and every answered prompt's KV crossed (decode's counters)."""
+    decode = pair.url("decode")
+    delivered = client.metric(decode, "vllm:kvpush_delivered_total")
+    moved = decode_sources(client, decode)["external_kv_transfer"]
+
+    def slow() -> None:
+        with faults.slowed(pair.hosts.a):
+            time.sleep(8.0)
+
+    sent, struck, healed, recovered = _under_load(fault_router, 33000, slow)
+    assert _in_flight(sent, struck, healed) >= faults.LOAD_CLIENTS, "no load on the slow link"
+    wrong = faults.wrong_outcomes(sent, _plain_answers(client, single, sent))
+    assert not wrong, wrong
+    assert all(s.status == 200 for s in sent), [s.error for s in sent if s.status != 200]
+    counted = faults.until(
+        lambda: client.metric(decode, "vllm:kvpush_delivered_total") < delivered + len(sent), 10
+    )
+    assert not counted, "an answered request's KV did not arrive by transfer"
+    tokens = decode_sources(client, decode)["external_kv_transfer"] - moved
+    assert tokens == sum(len(s.tokens) for s in sent)
+    held = _after_healing(client, pair, fault_router, single, 33900)
+    FAULT_TABLE.append(faults.table_row("prefill's link at 100 Mbit/s", healed - struck, sent,
+                                        recovered, held))  # fmt: skip
+
+
+def test_a_vanishing_prefill_host_ends_every_request(pair, client, single, fault_router):
+    """Prefill's host goes away under load: its processes killed, then its links
+    deleted. Every request ends within the bound, new ones at once, naming prefill;
+    decode lets go of everything and keeps no connection to the vanished host.
+    Last in the module: the pair's prefill is gone."""
+    vanished = pair.cluster.servers[pair.prefill]
+    gone = faults.addresses_of(pair.hosts.a)  # before its links, and addresses, go
+
+    def vanish() -> None:
+        faults.vanish(pair.hosts.a, pair.hosts.b)
+        vanished.kill()  # reaped: the process is gone already
+        time.sleep(3.0)
+
+    sent, struck, healed, _ = _under_load(fault_router, 34000, vanish, healed_by=3.0)
+    assert _in_flight(sent, struck, healed) >= faults.LOAD_CLIENTS, "no load when it vanished"
+    wrong = faults.wrong_outcomes(sent, _plain_answers(client, single, sent))
+    assert not wrong, wrong
+    afterwards = [s for s in sent if s.sent >= healed]
+    assert afterwards and all(s.status != 200 and "prefill" in s.error for s in afterwards)
+    assert max(s.seconds for s in afterwards) < WATCHDOG_S, "a request to a gone host waited"
+    decode = pair.cluster.identity_url(pair.decode)
+    held = client.wait_drained(decode, SETTLE_S)
+    assert held == {"sending": 0, "producing": 0, "receiving": 0}, held
+    kept = faults.until(lambda: faults.tcp_between(pair.hosts.b, gone), SETTLE_S)
+    assert not kept, f"decode keeps connections to the vanished host: {kept}"
+    assert client.http.get(pair.url("decode") + "/health").status_code == 200
+    row = faults.table_row("prefill's host vanishes", healed - struck, sent, float("inf"),
+                           "decode 0 / 0 / 0; no connection to it")  # fmt: skip
+    FAULT_TABLE.append(row)
