@@ -286,9 +286,9 @@ def _soak(benches: Any) -> None:
     p.add_argument("--decode", type=a.count, default=1, help="decode instances")
     p.add_argument(
         "--faults",
-        help="fault kinds, injected in turn, of kill-prefill, "
-        "kill-decode, stop-prefill, stop-decode, cut (default: kill-prefill,"
-        "stop-decode,cut,kill-decode,stop-prefill)",
+        help="fault kinds, injected in turn, of kill-prefill, kill-decode, stop-prefill, "
+        "stop-decode, cut, partition (as root: the servers in network namespaces) "
+        "(default: kill-prefill,stop-decode,cut,kill-decode,stop-prefill)",
     )
     p.add_argument(
         "--fault-interval",
