@@ -161,18 +161,16 @@ class Metrics:
         extra = tuple(sorted((extra_labels or {}).items()))
         lines: list[str] = []
         with self._lock:
-            for name, series in sorted(self._counters.items()):
-                full = f"{prefix}{name}_total"
-                lines.append(f"# HELP {full} {HELP.get(name, name)}")
-                lines.append(f"# TYPE {full} counter")
-                for key, value in sorted(series.items()):
-                    lines.append(f"{full}{_labels(extra + key)} {value:g}")
-            for name, series in sorted(self._gauges.items()):
-                full = f"{prefix}{name}"
-                lines.append(f"# HELP {full} {HELP.get(name, name)}")
-                lines.append(f"# TYPE {full} gauge")
-                for key, value in sorted(series.items()):
-                    lines.append(f"{full}{_labels(extra + key)} {value:g}")
+            for kind, suffix, families in (
+                ("counter", "_total", self._counters),
+                ("gauge", "", self._gauges),
+            ):
+                for name, series in sorted(families.items()):
+                    full = f"{prefix}{name}{suffix}"
+                    lines.append(f"# HELP {full} {HELP.get(name, name)}")
+                    lines.append(f"# TYPE {full} {kind}")
+                    for key, value in sorted(series.items()):
+                        lines.append(f"{full}{_labels(extra + key)} {value:g}")
             for name, h in sorted(self._histograms.items()):
                 full = f"{prefix}{name}"
                 lines.append(f"# HELP {full} {HELP.get(name, name)}")

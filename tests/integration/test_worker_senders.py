@@ -39,13 +39,18 @@ def _node(role: str, engine: str, backends: Backends) -> Node:
     return node
 
 
-@pytest.fixture
-def prefill_worker():
+def prefill_side(**extra: object) -> WorkerSide:
     """A prefill WorkerSide whose node is a real producer on host memory."""
     backends = Backends(["host"])
-    config = ConnectorConfig.from_extra({"push_granularity": "chunk", "park_workers": False})
+    config = ConnectorConfig.from_extra({"park_workers": False, **extra})
     worker = WorkerSide(config, "prefill-engine", "kv_producer", 0, 1, "cpu", 0, backends)
     worker.node = _node("producer", "prefill-engine", backends)
+    return worker
+
+
+@pytest.fixture
+def prefill_worker():
+    worker = prefill_side(push_granularity="chunk")
     yield worker
     worker.shutdown()
 
