@@ -30,7 +30,6 @@ from typing import Any
 
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     CompletionRequest,
-    DetokenizeRequest,
     ErrorResponse,
 )
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
@@ -180,13 +179,13 @@ class _FirstTokenEngine(LLMServer):
             yield [_encode(openai_error(failure[:500], "upstream_error", 502))]
 
     async def _detokenize(self, body: dict[str, Any], ids: list[int]) -> str:
-        """The text of token ids, as this replica's tokenizer reads them."""
-        request = DetokenizeRequest(model=body.get("model"), tokens=ids)
-        async for answer in await LLMServer.detokenize(self, request):
-            if isinstance(answer, ErrorResponse):
-                raise Departed(f"detokenizing failed: {answer.model_dump_json()[:300]}")
-            return answer.prompt
-        raise Departed("detokenizing answered nothing")
+        """The text of token ids, as this replica's tokenizer reads them. Ray's engine
+        serves no tokenization task, so the tokenizer is its vLLM engine client's
+        (`renderer`, part of vLLM's EngineClient), reached through Ray's engine."""
+        renderer = getattr(getattr(self.engine, "_engine_client", None), "renderer", None)
+        if renderer is None:
+            raise Departed("this replica's engine offers no tokenizer to read token ids with")
+        return renderer.get_tokenizer().decode(ids, skip_special_tokens=True)
 
 
 class KVPushDecodeServer(PDDecodeServer, _FirstTokenEngine):

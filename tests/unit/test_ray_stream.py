@@ -65,17 +65,15 @@ class Engine:
 
         return stream()
 
-    async def detokenize(self, request: Any) -> Any:
-        """Ray's detokenize: one answer, the ids' texts (TEXTS), streamed."""
-        text = "".join(TEXTS.get(i, f"<{i}>") for i in request.tokens)
-
-        async def stream():
-            yield SimpleNamespace(prompt=text)
-
-        return stream()
-
 
 TEXTS = {7: "A", 8: "B", 9: "C", 4: "X", 3: "Y"}
+
+
+class Tokenizer:
+    """The replica's tokenizer: the ids' texts (TEXTS)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(TEXTS.get(i, f"<{i}>") for i in ids)
 
 
 class _Server(KVPushDecodeServer):
@@ -114,10 +112,12 @@ def _stream(
     both legs at once, or (`sequential`) prefill's answer carried by the decode leg."""
     # A function, so that Ray's own path (super() in its mixin) binds it too.
     monkeypatch.setattr(LLMServer, "completions", lambda s, r, raw=None: engine.completions(s, r))
-    monkeypatch.setattr(LLMServer, "detokenize", lambda s, r, raw=None: engine.detokenize(r))
     server = object.__new__(_Server)
     backend = SimpleNamespace(first_token=first_token)
     server._get_connector_backend = lambda: backend
+    # Ray's engine, as far as the replica reads it: its vLLM client's tokenizer.
+    renderer = SimpleNamespace(get_tokenizer=Tokenizer)
+    server.engine = SimpleNamespace(_engine_client=SimpleNamespace(renderer=renderer))
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
             "stream": True, **request}  # fmt: skip
     params: dict[str, Any] = {"do_remote_prefill": True}
