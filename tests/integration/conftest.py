@@ -43,6 +43,10 @@ class RemotePeer:
         if not ready:
             raise TimeoutError(f"peer did not answer {op!r} within {timeout}s")
         line = self.proc.stdout.readline()
+        # UCX logs to stdout (an interface another test removed mid-scan, say):
+        # replies are the lines that are JSON objects.
+        while line and not line.startswith("{"):
+            line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"peer exited (code {self.proc.poll()}) during {op!r}")
         reply = json.loads(line)
