@@ -1,7 +1,7 @@
 """An overloaded pair: queues far longer than every protocol timer, and no expiry.
 
 A transfer's timers must run on liveness (heartbeats while either side still has
-the request), not on how long it queues. This pair's timers are 4 s; prefill is
+the request), not on how long it queues. This pair's timers are 6 s; prefill is
 given a queue of well over three times that. KVPUSH_OVERLOAD=literal runs the same
 test at full scale by hand (not in CI: minutes here): the default timers (lease and
 registration 60 s, watchdog 30 s) and a queue over three times the watchdog.
@@ -35,7 +35,7 @@ from kvpush.protocol.config import ProtocolConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-SHORT = {"lease_s": 4.0, "registration_ttl_s": 4.0, "watchdog_s": 4.0, "heartbeat_s": 1.0,
+SHORT = {"lease_s": 6.0, "registration_ttl_s": 6.0, "watchdog_s": 6.0, "heartbeat_s": 1.0,
          "write_grace_s": 2.0}  # fmt: skip
 LITERAL = os.environ.get("KVPUSH_OVERLOAD") == "literal"
 TIMERS = {} if LITERAL else SHORT
