@@ -42,7 +42,6 @@ from kvpush.vllm.source import (
 
 HERE = Path(__file__).parent
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
-SHM = "vllm/distributed/device_communicators/shm_broadcast.py"
 SCHED = "vllm/v1/core/sched/scheduler.py"
 OUTPUT = "vllm/v1/core/sched/output.py"
 SPECS = "vllm/v1/kv_cache_interface.py"
@@ -167,86 +166,34 @@ def _class_fields(path: str, name: str) -> Callable[[Source], Any]:
     return lambda source: fields(source.tree(path), name)
 
 
-def _connector_before_manager(source: Source) -> bool:
-    cls = find_class(source.tree(SCHED), "Scheduler")
-    init = methods(cls).get("__init__") if cls is not None else None
-    text = ast.unparse(init) if init is not None else ""
-    made, managed = text.find("create_connector("), text.find("KVCacheManager(")
-    return 0 <= made < managed
+def _target_found(target: hooks.Target) -> Callable[[Source], bool]:
+    """Whether a hook's target (kvpush.vllm.hooks.Target) is in a vLLM's source."""
+    if target.kind == "fields":
+        return lambda s: set(target.names) <= set(fields(s.tree(target.path), target.owner) or ())
+    if target.kind == "near":
+        call, beside = target.names
+        return lambda s: _written_before_call(s.text(target.path) or "", call, beside)
+    if target.kind == "order":
+        return lambda s: _made_in_order(s, target)
+    return _has(target.path, target.owner, *target.names)
 
 
-_PIECEWISE = "requires_piecewise_for_cudagraph"  # vLLM's name
+def _written_before_call(text: str, call: str, beside: str) -> bool:
+    at = text.find(call + "(")
+    return at >= 0 and beside in text[max(0, at - 1500) : at]
 
 
-def _caller_holds_transfer_config(source: Source) -> bool:
-    text = source.text("vllm/config/vllm.py") or ""
-    at = text.find(_PIECEWISE + "(")
-    return at >= 0 and "self.kv_transfer_config" in text[max(0, at - 1500) : at]
+def _made_in_order(source: Source, target: hooks.Target) -> bool:
+    method, first, second = target.names
+    cls = find_class(source.tree(target.path), target.owner or "")
+    fn = methods(cls).get(method) if cls is not None else None
+    text = ast.unparse(fn) if fn is not None else ""
+    made, then = text.find(first), text.find(second)
+    return 0 <= made < then
 
 
-HOOK_FACTS: dict[str, dict[str, Callable[[Source], bool]]] = {
-    "connector_registry": {
-        "KVConnectorFactory._registry": _has(FACTORY, "KVConnectorFactory", "_registry"),
-        "KVConnectorFactory.register_connector": _has(
-            FACTORY, "KVConnectorFactory", "register_connector"
-        ),
-    },
-    "caller_kv_role": {"self.kv_transfer_config beside the call": _caller_holds_transfer_config},
-    "engine_inbox": {
-        "EngineCoreProc.input_queue": _has(
-            "vllm/v1/engine/core.py", "EngineCoreProc", "input_queue"
-        )
-    },
-    "idle_wait": {
-        "connector.build_connector_meta": _has(SCHED, "Scheduler", "build_connector_meta")
-    },
-    "step_notify": {
-        "SpinCondition.notify, local_notify_socket, is_reader": _has(
-            SHM, "SpinCondition", "notify", "local_notify_socket", "is_reader"
-        ),
-        "MessageQueue._spin_condition": _has(SHM, "MessageQueue", "_spin_condition"),
-        "MultiprocExecutor.rpc_broadcast_mq": _has(
-            "vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "rpc_broadcast_mq"
-        ),
-    },
-    "reader_spin": {
-        "SpinCondition.busy_loop_s": _has(SHM, "SpinCondition", "busy_loop_s"),
-        "MultiprocExecutor.response_mqs": _has(
-            "vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "response_mqs"
-        ),
-    },
-    "park_workers": {
-        "SpinCondition.last_read": _has(SHM, "SpinCondition", "last_read"),
-        "SHM_READER_RECHECK_INTERVAL_MS": _has(SHM, None, "SHM_READER_RECHECK_INTERVAL_MS"),
-        "WorkerProc.rpc_broadcast_mq": _has(
-            "vllm/v1/executor/multiproc_executor.py", "WorkerProc", "rpc_broadcast_mq"
-        ),
-    },
-    "window_margin": {
-        "SlidingWindowSpec.extra_retained_tokens": lambda s: (
-            "extra_retained_tokens" in (fields(s.tree(SPECS), "SlidingWindowSpec") or ())
-        ),
-        "Scheduler makes the connector before its KVCacheManager": _connector_before_manager,
-    },
-    "landings_before_schedule": {
-        "Scheduler.schedule, requests, finished_recving_kv_req_ids": _has(
-            SCHED, "Scheduler", "schedule", "requests", "finished_recving_kv_req_ids"
-        ),
-        "KVConnectorOutput.finished_recving": lambda s: (
-            "finished_recving" in (fields(s.tree("vllm/v1/outputs.py"), "KVConnectorOutput") or ())
-        ),
-    },
-    "prompt_cut": {
-        "Request._all_token_ids, prompt_token_ids, num_prompt_tokens": lambda s: (
-            {"_all_token_ids", "prompt_token_ids", "num_prompt_tokens"}
-            <= set(fields(s.tree("vllm/v1/request.py"), "Request") or ())
-        ),
-        "Scheduler.add_request calls on_new_request": _has(SCHED, "Scheduler", "on_new_request"),
-    },
-    "engine_spin": {
-        "_INPUT_SPIN_DURATION_S": _has("vllm/v1/engine/core.py", None, "_INPUT_SPIN_DURATION_S")
-    },
-}
+def _hook_facts(hook: hooks.Hook) -> dict[str, Callable[[Source], bool]]:
+    return {label: _target_found(target) for label, target in hook.targets.items()}
 
 
 def _scheduler_uses(name: str) -> Callable[[Source], Any]:
@@ -298,9 +245,9 @@ def items() -> list[Item]:
                 LAZY_IMPORTS.get(module, ""),
             )
         )
-    for name in hooks.HOOKS:
+    for name, hook in hooks.HOOKS.items():
         found.append(
-            Item(f"hook {name}", _facts(HOOK_FACTS[name]), _all_true, _hook_optional(name))
+            Item(f"hook {name}", _facts(_hook_facts(hook)), _all_true, _hook_optional(name))
         )
     for name, path, wanted in CLASS_FIELDS:
         wanted = tuple(sorted({*wanted, *kvpush_reads(STEP_VARIABLES.get(name, ()))}))

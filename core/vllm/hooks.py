@@ -58,7 +58,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Container
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -81,6 +81,29 @@ _ENGINE_SPIN = "_INPUT_SPIN_DURATION_S"
 OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
 
 
+# The vLLM source files the hooks' targets live in (kvpush.vllm.contract reads them).
+_SHM = "vllm/distributed/device_communicators/shm_broadcast.py"
+_SCHED = "vllm/v1/core/sched/scheduler.py"
+_EXECUTOR = "vllm/v1/executor/multiproc_executor.py"
+_CORE = "vllm/v1/engine/core.py"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One thing a hook reaches for, as kvpush.vllm.contract finds it in a vLLM's
+    source without importing it. By `kind`:
+    "has": each of `names` defined, assigned or used in module `path` (inside its
+        class `owner`, when named);
+    "fields": each of `names` a field of class `owner`;
+    "near": names[1] written in the lines before the call names[0](...) in `path`;
+    "order": in method names[0] of `owner`, names[1] comes before names[2]."""
+
+    path: str
+    owner: str | None
+    names: tuple[str, ...]
+    kind: str = "has"
+
+
 @dataclass(frozen=True)
 class Hook:
     name: str
@@ -88,6 +111,8 @@ class Hook:
     verified: tuple[str, ...]  # vLLM releases it was read or run against (VERIFIED_ON)
     risky: bool  # it changes vLLM's state: off on a vLLM it was not verified on
     cost: str  # what a deployment pays where it is absent
+    # What it reaches for, by a label the contract records name (kvpush.vllm.contract).
+    targets: dict[str, Target] = field(default_factory=dict)
 
 
 HOOKS = {
@@ -100,6 +125,18 @@ HOOKS = {
             False,
             "registering twice raises: KVPushConnector may not be nameable in "
             "--kv-transfer-config (name kv_connector_module_path instead)",
+            targets={
+                "KVConnectorFactory._registry": Target(
+                    "vllm/distributed/kv_transfer/kv_connector/factory.py",
+                    "KVConnectorFactory",
+                    ("_registry",),
+                ),
+                "KVConnectorFactory.register_connector": Target(
+                    "vllm/distributed/kv_transfer/kv_connector/factory.py",
+                    "KVConnectorFactory",
+                    ("register_connector",),
+                ),
+            },
         ),
         Hook(
             "caller_kv_role",
@@ -108,6 +145,14 @@ HOOKS = {
             ("0.32.0", "0.33.0", "0.34.0"),
             False,
             "a decode with layerwise on runs piecewise graphs, not full ones",
+            targets={
+                "self.kv_transfer_config beside the call": Target(
+                    "vllm/config/vllm.py",
+                    None,
+                    ("requires_piecewise_for_cudagraph", "self.kv_transfer_config"),
+                    "near",
+                )
+            },
         ),
         Hook(
             "engine_inbox",
@@ -116,6 +161,9 @@ HOOKS = {
             True,
             "a request or abort reaching an engine that waits on transfers is seen "
             "only after idle_wait_s",
+            targets={
+                "EngineCoreProc.input_queue": Target(_CORE, "EngineCoreProc", ("input_queue",))
+            },
         ),
         Hook(
             "idle_wait",
@@ -125,6 +173,11 @@ HOOKS = {
             True,
             "an engine whose requests all wait for transfers runs about a thousand "
             "empty steps a second",
+            targets={
+                "connector.build_connector_meta": Target(
+                    _SCHED, "Scheduler", ("build_connector_meta",)
+                )
+            },
         ),
         Hook(
             "step_notify",
@@ -135,6 +188,15 @@ HOOKS = {
             "a parked worker misses about half the steps written within a millisecond "
             "of the one before, and sees each only at its recheck "
             f"({PARKED_RECHECK_MS} ms)",
+            targets={
+                "SpinCondition.notify, local_notify_socket, is_reader": Target(
+                    _SHM, "SpinCondition", ("notify", "local_notify_socket", "is_reader")
+                ),
+                "MessageQueue._spin_condition": Target(_SHM, "MessageQueue", ("_spin_condition",)),
+                "MultiprocExecutor.rpc_broadcast_mq": Target(
+                    _EXECUTOR, "MultiprocExecutor", ("rpc_broadcast_mq",)
+                ),
+            },
         ),
         Hook(
             "reader_spin",
@@ -144,6 +206,12 @@ HOOKS = {
             True,
             "each worker, and the engine process during a step, spins a core for a "
             "second after every read, between requests too",
+            targets={
+                "SpinCondition.busy_loop_s": Target(_SHM, "SpinCondition", ("busy_loop_s",)),
+                "MultiprocExecutor.response_mqs": Target(
+                    _EXECUTOR, "MultiprocExecutor", ("response_mqs",)
+                ),
+            },
         ),
         Hook(
             "engine_spin",
@@ -153,6 +221,7 @@ HOOKS = {
             True,
             "the engine process spins up to a second of a core on every step, while "
             "its workers compute",
+            targets={"_INPUT_SPIN_DURATION_S": Target(_CORE, None, (_ENGINE_SPIN,))},
         ),
         Hook(
             "window_margin",
@@ -164,6 +233,20 @@ HOOKS = {
             "a prefill instance of a sliding-window model under the hybrid KV cache "
             "manager refuses to start (for one prompt in block_size, vLLM would free "
             "a window block decode needs before kvpush could send it)",
+            targets={
+                "SlidingWindowSpec.extra_retained_tokens": Target(
+                    "vllm/v1/kv_cache_interface.py",
+                    "SlidingWindowSpec",
+                    ("extra_retained_tokens",),
+                    "fields",
+                ),
+                "Scheduler makes the connector before its KVCacheManager": Target(
+                    _SCHED,
+                    "Scheduler",
+                    ("__init__", "create_connector(", "KVCacheManager("),
+                    "order",
+                ),
+            },
         ),
         Hook(
             "landings_before_schedule",
@@ -175,6 +258,14 @@ HOOKS = {
             "a landing reaches decode's scheduler only with the output of the step "
             "after it: one more step (an empty round trip to the workers when idle) "
             "before decode computes",
+            targets={
+                "Scheduler.schedule, requests, finished_recving_kv_req_ids": Target(
+                    _SCHED, "Scheduler", ("schedule", "requests", "finished_recving_kv_req_ids")
+                ),
+                "KVConnectorOutput.finished_recving": Target(
+                    "vllm/v1/outputs.py", "KVConnectorOutput", ("finished_recving",), "fields"
+                ),
+            },
         ),
         Hook(
             "prompt_cut",
@@ -184,6 +275,17 @@ HOOKS = {
             True,
             "a prefill instance of a recurrent-state model (gated DeltaNet, Mamba) "
             "refuses to start (its decode would apply the prompt's last token twice)",
+            targets={
+                "Request._all_token_ids, prompt_token_ids, num_prompt_tokens": Target(
+                    "vllm/v1/request.py",
+                    "Request",
+                    ("_all_token_ids", "prompt_token_ids", "num_prompt_tokens"),
+                    "fields",
+                ),
+                "Scheduler.add_request calls on_new_request": Target(
+                    _SCHED, "Scheduler", ("on_new_request",)
+                ),
+            },
         ),
         Hook(
             "park_workers",
@@ -192,6 +294,13 @@ HOOKS = {
             ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "decode's waiting workers spin, about a core each, while requests wait for KV",
+            targets={
+                "SpinCondition.last_read": Target(_SHM, "SpinCondition", ("last_read",)),
+                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (_RECHECK,)),
+                "WorkerProc.rpc_broadcast_mq": Target(
+                    _EXECUTOR, "WorkerProc", ("rpc_broadcast_mq",)
+                ),
+            },
         ),
     )
 }
