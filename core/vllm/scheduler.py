@@ -29,16 +29,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpush.engine.ledger import Ledger
-from kvpush.engine.steps import Announce
 from kvpush.errors import ConfigError, ProtocolError
-from kvpush.identities import RELEASE_PATH, InstanceIdentity, decode_params, prefill_echo
-from kvpush.layout import tp_problem
+from kvpush.identities import RELEASE_PATH, InstanceIdentity, prefill_echo
+from kvpush.legs import announce, decode_leg_problem, learn_producer
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm import hooks
-from kvpush.vllm.bootstrap import HOST_PORT, BootstrapResolver, LegError, producer_endpoint
-from kvpush.vllm.config import ConnectorConfig, producer_allowed
+from kvpush.vllm.bootstrap import BootstrapResolver, LegError
+from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.groups import NULL_BLOCK
-from kvpush.vllm.identity import EPOCH_SEPARATOR, IdentityService
+from kvpush.vllm.identity import IdentityService
 from kvpush.vllm.landings import Landings
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.release import Releases
@@ -365,13 +364,12 @@ class SchedulerSide:
             return
         learnt_from = ""
         try:
-            learnt = self._learn_producer(request_id, params)
+            allowed = self.config.allowed_producers
+            learnt = learn_producer(request_id, params, allowed, self.bootstrap)
             if learnt is None:
                 return  # its bootstrap server is being asked; vLLM asks again
             learnt_from = learnt
-            found = _decode_leg_problem(
-                params, self.config.protocol.mode, self.world, self.config.allowed_producers
-            )
+            found = decode_leg_problem(params, self.config.protocol.mode, self.world, allowed)
         except LegError as exc:
             found = exc.reason, str(exc)
         if found is not None:
@@ -392,32 +390,12 @@ class SchedulerSide:
             # The sibling may have finished already (vLLM adds n's choices one by one,
             # and under load far apart): prefill made no copy for this one under n,
             # so it must not wait for one.
-            failed = self.ledger.decode.follows(request_id, tid, leader, _announce(tid, params))
+            failed = self.ledger.decode.follows(request_id, tid, leader, announce(tid, params))
             if failed:
                 self.spans.fail(request_id, f"sibling_failed: {failed}")
             return
-        self.ledger.decode.announced(request_id, tid, _announce(tid, params), learnt_from)
+        self.ledger.decode.announced(request_id, tid, announce(tid, params), learnt_from)
         self.spans.begin(request_id, "decode", params["transfer_id"])
-
-    def _learn_producer(self, request_id: str, params: dict[str, Any]) -> str | None:
-        """Complete a leg that names its producer only by an endpoint: a Mooncake-mode
-        router's bootstrap server, or the echo's remote_host and remote_port (all that
-        vllm-router's NIXL push mode keeps of it). Returns the endpoint it was learnt
-        from ("" if there was nothing to learn), or None while the endpoint is being
-        asked. A leg without a transfer id takes the one its prefill leg's instance
-        named (both legs carry the router's X-Request-Id)."""
-        if "remote_addresses" in params:
-            return ""
-        address = producer_endpoint(params, self.config.allowed_producers)
-        if address is None:
-            return ""  # nothing to learn from: _decode_leg_problem says why
-        engine = str(params.get("remote_engine_id") or "")
-        identity = self.bootstrap.producer(address, engine)
-        if identity is None:
-            return None
-        transfer_id = params.get("transfer_id") or _named_by_prefill(request_id, params)
-        params.update(decode_params(transfer_id, identity))
-        return address
 
     def _preempted(self, request_id: str) -> None:
         """vLLM took a producing request's blocks back, to compute it again later."""
@@ -451,71 +429,5 @@ class SchedulerSide:
         return cached.num_computed_tokens[cached.req_ids.index(request_id)] + scheduled
 
 
-def _announce(transfer_id: str, params: dict[str, Any]) -> Announce:
-    """The producer a (completed) decode leg names: ranks, engine, boots, network."""
-    return Announce(
-        transfer_id,
-        tuple(params["remote_addresses"]),
-        str(params.get("remote_engine_id") or ""),
-        tuple(str(params.get("remote_epoch") or "").split(EPOCH_SEPARATOR)),
-        str(params.get("remote_network") or ""),
-    )
-
-
-def _named_by_prefill(request_id: str, params: dict[str, Any]) -> str:
-    """The transfer id a prefill instance named for the API request this decode leg
-    belongs to (SchedulerSide._name_transfer): the same derivation from our own
-    request id, as a router giving both legs one X-Request-Id makes them alike; or,
-    should the ids differ, from the remote_request_id the router says it used."""
-    mine = api_request_id(request_id)
-    theirs = params.get("remote_request_id")
-    if isinstance(theirs, str) and theirs and not mine.endswith(theirs):
-        return api_kind(mine) + theirs
-    return mine
-
-
 def _status(request: Any) -> str:
     return getattr(request.status, "name", str(request.status))
-
-
-def _decode_leg_problem(
-    params: dict[str, Any], mode: str, world: int, allowed: tuple[str, ...]
-) -> tuple[str, str] | None:
-    """Why a decode leg's kv_transfer_params cannot be served by kvpush, as (a short
-    reason for metrics, a message for people), or None. `allowed`: the producers
-    this decode may dial (allowed_producers)."""
-    missing = [k for k in ("transfer_id", "remote_addresses") if k not in params]
-    if missing:
-        return "not_kvpush_params", (
-            f"kv_transfer_params lack {missing} (keys: {sorted(params)}): the prefill "
-            "instance is not running KVPushConnector (an upstream NixlConnector, say), and "
-            "a KVPushConnector decode instance cannot pair with it"
-        )
-    try:
-        check_transfer_id(params["transfer_id"] if isinstance(params["transfer_id"], str) else "")
-    except ProtocolError as exc:
-        return "bad_transfer_id", str(exc)
-    theirs = params.get("transfer_mode", "push")
-    if theirs != mode:
-        return "mode_mismatch", (
-            f"transfer mode mismatch: the prefill instance is in {theirs} mode, this one in {mode}"
-        )
-    addresses = params["remote_addresses"]
-    if (
-        not isinstance(addresses, list)
-        or not addresses
-        or not all(isinstance(a, str) and HOST_PORT.fullmatch(a) for a in addresses)
-    ):
-        return "bad_addresses", (
-            f"remote_addresses must list one side-channel host:port per tensor-parallel "
-            f"rank of the prefill instance, got {str(addresses)[:200]}"
-        )
-    problem = tp_problem(len(addresses), world, 0)
-    if problem:
-        return "tp_mismatch", problem
-    refused = [a for a in addresses if not producer_allowed(a, allowed)]
-    if refused:
-        return "producer_not_allowed", (
-            f"the decode leg names producer {refused[0]}, which allowed_producers does not list"
-        )
-    return None
