@@ -32,6 +32,7 @@ from kvpush.errors import KVPushError
 
 TIMEOUT_S = 3.0
 MAX_ANSWER = 1 << 20  # bytes: a thousand DP ranks' identities fit
+EPOCH_SEPARATOR = "-"  # between the ranks' boots in an epoch (remote_epoch)
 
 
 class IdentityError(KVPushError):

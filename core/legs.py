@@ -12,12 +12,11 @@ from typing import Any, Protocol
 
 from kvpush.engine.steps import Announce
 from kvpush.errors import ProtocolError
-from kvpush.identities import InstanceIdentity, decode_params
+from kvpush.identities import EPOCH_SEPARATOR, InstanceIdentity, decode_params
 from kvpush.layout import tp_problem
 from kvpush.protocol.messages import check_transfer_id
 from kvpush.vllm.bootstrap import HOST_PORT, producer_endpoint
 from kvpush.vllm.config import producer_allowed
-from kvpush.vllm.identity import EPOCH_SEPARATOR
 from kvpush.vllm.transfers import api_kind, api_request_id
 
 

@@ -24,13 +24,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvpush.addresses import network_id
-from kvpush.identities import InstanceIdentity, RankIdentity, dp_siblings, mooncake_query
+from kvpush.identities import (
+    EPOCH_SEPARATOR,
+    InstanceIdentity,
+    RankIdentity,
+    dp_siblings,
+    mooncake_query,
+)
 from kvpush.vllm.config import ConnectorConfig, rank_port
 from kvpush.vllm.metadata import KVPushHandshake
 
 log = logging.getLogger(__name__)
 
-EPOCH_SEPARATOR = "-"  # between the ranks' boots in remote_epoch
 Route = Callable[[dict[str, str]], Any]  # a GET's query -> its JSON answer
 PostRoute = Callable[[Any], tuple[int, Any]]  # a POST's JSON body -> (status, JSON answer)
 MAX_BODY = 4096  # bytes of a POST body: a transfer id and a token fit many times over
