@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpush.engine.moves import Moved, MoveLog
 from kvpush.engine.steps import Announce, Expect, StepPlan, state_positions
 from kvpush.layout import interleave
 from kvpush.protocol.states import TransitionTable
@@ -52,6 +53,7 @@ class DecodeLeg:
     leader: str = ""  # a follower's sibling that loads the prompt
     problem: str = ""  # why a rejected leg cannot be served
     learnt_from: str = ""  # the endpoint its producer was learnt from, if any
+    base_id: str = ""  # the transfer as the router named it ("": transfer_id)
 
 
 @dataclass(frozen=True)
@@ -104,24 +106,41 @@ class DecodeLegs:
         self._ranks_landed: dict[str, set[int]] = {}  # transfer id -> ranks heard of
         self._failed_loads: OrderedDict[str, None] = OrderedDict()
         self.plan = StepPlan()  # the Ledger's, for this step
+        self.moves = MoveLog()  # the Ledger's
+
+    def _begin(self, leg: DecodeLeg) -> None:
+        self.legs[leg.request_id] = leg
+        self.moves.add(Moved(leg.request_id, "decode", None, leg.state, leg.base_id))
+
+    def _move(self, leg: DecodeLeg, to: DecodeState) -> None:
+        before = leg.state
+        DECODE_TRANSITIONS.move(leg, to)
+        self.moves.add(Moved(leg.request_id, "decode", before, to, leg.base_id))
 
     def announced(
-        self, request_id: str, transfer_id: str, announce: Announce, learnt_from: str = ""
+        self,
+        request_id: str,
+        transfer_id: str,
+        announce: Announce,
+        learnt_from: str = "",
+        base_id: str = "",
     ) -> None:
         """A decode leg arrived naming its producer: keep that KV alive from now on, not
         from when the request reaches the head of a queue that may be long."""
-        self.legs[request_id] = DecodeLeg(
-            request_id, transfer_id, D.ANNOUNCED, announce, learnt_from=learnt_from
-        )
+        self._begin(
+            DecodeLeg(request_id, transfer_id, D.ANNOUNCED, announce, learnt_from=learnt_from,
+                      base_id=base_id or transfer_id)
+        )  # fmt: skip
         self.plan.announces.append(announce)
 
     def rejected(
         self, request_id: str, transfer_id: str, problem: str, learnt_from: str = ""
     ) -> None:
         """A decode leg kvpush cannot serve: its load fails once the engine allocates it."""
-        self.legs[request_id] = DecodeLeg(
-            request_id, transfer_id, D.REJECTED, problem=problem, learnt_from=learnt_from
-        )
+        self._begin(
+            DecodeLeg(request_id, transfer_id, D.REJECTED, problem=problem,
+                      learnt_from=learnt_from, base_id=transfer_id)
+        )  # fmt: skip
 
     def follows(self, request_id: str, transfer_id: str, leader: str, announce: Announce) -> str:
         """A sibling (n > 1, or the same prompt listed twice) brings this prompt's KV
@@ -129,7 +148,7 @@ class DecodeLegs:
         copy for this one too, it lets it go at once. Returns the problem if it fails
         at once (its sibling's load failed already, under the fail policy), else ""."""
         leg = DecodeLeg(request_id, transfer_id, D.FOLLOWER, leader=leader)
-        self.legs[request_id] = leg
+        self._begin(leg)
         self.plan.announces.append(announce)
         self.plan.aborts.append(transfer_id)
         if leader in self._failed_loads:
@@ -151,14 +170,14 @@ class DecodeLegs:
                 D.ANNOUNCED, D.LOADING
             ):  # fmt: skip
                 return Match(None)  # again once its sibling's KV is in the prefix cache
-            DECODE_TRANSITIONS.move(leg, D.LOCAL)
+            self._move(leg, D.LOCAL)
             return Match(0, local=True)
         if leg.state != D.ANNOUNCED:
             return Match(0)
         if count <= 0:
             # Everything is cached here already: let the producer free its copy now.
             self.plan.aborts.append(leg.transfer_id)
-            DECODE_TRANSITIONS.move(leg, D.LOCAL)
+            self._move(leg, D.LOCAL)
             return Match(0, local=True)
         leg.local_tokens = computed
         return Match(count, load_async=True)
@@ -180,7 +199,7 @@ class DecodeLegs:
             return False
         first = leg.local_tokens // self.block_size
         last = -(-(leg.local_tokens + external_tokens) // self.block_size)
-        DECODE_TRANSITIONS.move(leg, D.LOADING)
+        self._move(leg, D.LOADING)
         self._loading[leg.transfer_id] = request_id
         named = leg.announce
         if self.states:
@@ -213,13 +232,13 @@ class DecodeLegs:
             self._settled(leg.transfer_id)
         if not failed:
             if leg is not None and leg.state == D.LOADING:
-                DECODE_TRANSITIONS.move(leg, D.LANDED)
+                self._move(leg, D.LANDED)
             return Loaded()
         recomputed, endpoint = False, ""
         if leg is not None and leg.state in (D.LOADING, D.REJECTED):
             recomputed = leg.state == D.LOADING and self.recompute_on_failure
             endpoint = leg.learnt_from
-            DECODE_TRANSITIONS.move(leg, D.FAILED)
+            self._move(leg, D.FAILED)
         self._failed_loads[request_id] = None
         while len(self._failed_loads) > FAILED_LOADS_KEPT:
             self._failed_loads.popitem(last=False)
@@ -240,7 +259,7 @@ class DecodeLegs:
         engine). Under recompute it computes the prompt here, as its sibling will."""
         if self.recompute_on_failure:
             return ""
-        DECODE_TRANSITIONS.move(follower, D.REJECTED)
+        self._move(follower, D.REJECTED)
         follower.problem = (
             f"its sibling {follower.leader} (same prompt, n > 1 or a repeated list prompt) "
             "failed to load the prompt's KV, and kv_load_failure_policy is fail"
@@ -252,6 +271,7 @@ class DecodeLegs:
         leg = self.legs.pop(request_id, None)
         if leg is not None:
             self._settled(leg.transfer_id)
+            self.moves.add(Moved(request_id, "decode", leg.state, None, leg.base_id))
         if leg is not None and leg.state in (D.ANNOUNCED, D.LOADING):
             # Aborted while queued, or before its KV arrived: the workers settle the
             # transfer, and a producer stops keeping the KV alive for it.

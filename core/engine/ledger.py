@@ -24,15 +24,20 @@ Prefill leg (this engine computes the prompt's KV for another):
 
 A record lives until the engine finishes the request and, for a prefill whose
 blocks a WRITE may read, until the workers say the producer let them go.
+
+The Ledger is the one door to both legs: an engine adapter calls its methods only.
+Every leg's beginning, move and end is handed out in order (take_moves,
+kvpush.engine.moves), for a request's timeline to be read from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from kvpush.engine.decode import DecodeLegs
-from kvpush.engine.prefill import Finish, PrefillLegs
-from kvpush.engine.steps import StepPlan
+from kvpush.engine.decode import DecodeLegs, Loaded, Match
+from kvpush.engine.moves import Moved, MoveLog
+from kvpush.engine.prefill import Finish, PrefillLeg, PrefillLegs
+from kvpush.engine.steps import Announce, StepPlan
 
 
 class Ledger:
@@ -54,9 +59,22 @@ class Ledger:
         )
         self.prefill = PrefillLegs(block_size, progressive, states, null)
         self.take_plan()  # one plan, both legs filling it
+        self.decode.moves = self.prefill.moves = self._moves = MoveLog()
+
+    def take_moves(self) -> list[Moved]:
+        """What happened to the legs since the last call, in order."""
+        return self._moves.take()
 
     def knows(self, request_id: str) -> bool:
         return request_id in self.decode.legs or request_id in self.prefill.legs
+
+    def produces(self, request_id: str) -> bool:
+        """Whether this engine computes the request's prompt for another."""
+        return request_id in self.prefill.legs
+
+    @property
+    def recompute_on_failure(self) -> bool:
+        return self.decode.recompute_on_failure
 
     def take_plan(self) -> StepPlan:
         """This step's plan; the next one starts empty."""
@@ -81,3 +99,75 @@ class Ledger:
             return self.prefill.finished(leg, sendable)
         self.decode.finished(request_id)
         return Finish(False)
+
+    # -- decode legs (kvpush.engine.decode) --------------------------------------------
+
+    def announced(
+        self, request_id: str, transfer_id: str, announce: Announce, learnt_from: str, base_id: str
+    ) -> None:
+        self.decode.announced(request_id, transfer_id, announce, learnt_from, base_id)
+
+    def rejected(self, request_id: str, transfer_id: str, problem: str, learnt_from: str) -> None:
+        self.decode.rejected(request_id, transfer_id, problem, learnt_from)
+
+    def follows(self, request_id: str, transfer_id: str, leader: str, announce: Announce) -> str:
+        return self.decode.follows(request_id, transfer_id, leader, announce)
+
+    def matched(self, request_id: str, prompt_len: int, computed: int) -> Match:
+        return self.decode.matched(request_id, prompt_len, computed)
+
+    def allocated(
+        self, request_id: str, groups: Sequence[Sequence[int]], external_tokens: int
+    ) -> bool:
+        return self.decode.allocated(request_id, groups, external_tokens)
+
+    def computes_prompt(self, request_id: str) -> None:
+        """The engine computes a decode leg's prompt itself after all (it reads no
+        transferred KV for it): the leg ends now, and the producer may let go."""
+        self.decode.finished(request_id)
+
+    def rank_landed(self, transfer_id: str, rank: int, ranks: int) -> str | None:
+        return self.decode.rank_landed(transfer_id, rank, ranks)
+
+    def loaded(self, request_id: str, failed: bool) -> Loaded:
+        return self.decode.loaded(request_id, failed)
+
+    # -- prefill legs (kvpush.engine.prefill) ------------------------------------------
+
+    def arrived(
+        self, request_id: str, transfer_id: str, base_id: str, prompt_len: int, named_here: bool
+    ) -> None:
+        self.prefill.arrived(request_id, transfer_id, base_id, prompt_len, named_here)
+
+    def declined(self, request_id: str) -> None:
+        self.prefill.declined(request_id)
+
+    def left_last_token(self, request_id: str) -> None:
+        self.prefill.left_last_token(request_id)
+
+    def blocks_assigned(
+        self, request_id: str, groups: Sequence[Sequence[int]], resumed: bool
+    ) -> None:
+        self.prefill.blocks_assigned(request_id, groups, resumed)
+
+    def still_computing(self) -> list[str]:
+        return self.prefill.still_computing()
+
+    def step_scheduled(self, computed_after: Mapping[str, int]) -> None:
+        self.prefill.step_scheduled(computed_after)
+
+    def preempted(self, request_id: str) -> str | None:
+        """The engine took a prefill leg's blocks back: the transfer that ends with it,
+        if a WRITE may have been reading them (PrefillLegs.preempted), else None."""
+        if not self.prefill.preempted(request_id):
+            return None
+        return self.prefill.legs[request_id].transfer_id
+
+    def released(self, request_ids: Iterable[str]) -> list[str]:
+        return self.prefill.released(request_ids)
+
+    def held_under(self, base_id: str) -> list[PrefillLeg]:
+        return self.prefill.held_under(base_id)
+
+    def release(self, legs: Iterable[PrefillLeg]) -> None:
+        self.prefill.release(legs)

@@ -8,6 +8,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvpush.engine.moves import Moved, MoveLog
 from kvpush.engine.steps import Pending, Produce, Progress, StepPlan, state_positions
 from kvpush.layout import interleave
 from kvpush.protocol.states import TransitionTable
@@ -73,13 +74,19 @@ class PrefillLegs:
         self.states, self.null = tuple(states), null
         self.legs: dict[str, PrefillLeg] = {}
         self.plan = StepPlan()  # the Ledger's, for this step
+        self.moves = MoveLog()  # the Ledger's
+
+    def _move(self, leg: PrefillLeg, to: PrefillState) -> None:
+        before = leg.state
+        PREFILL_TRANSITIONS.move(leg, to)
+        self.moves.add(Moved(leg.request_id, "prefill", before, to, leg.base_id))
 
     def arrived(
         self, request_id: str, transfer_id: str, base_id: str, prompt_len: int, named_here: bool
     ) -> None:
-        self.legs[request_id] = PrefillLeg(
-            request_id, transfer_id, base_id, prompt_len, named_here=named_here
-        )
+        leg = PrefillLeg(request_id, transfer_id, base_id, prompt_len, named_here=named_here)
+        self.legs[request_id] = leg
+        self.moves.add(Moved(request_id, "prefill", None, leg.state, base_id))
         self.plan.pending.append(Pending(transfer_id, sequential=named_here))
 
     def left_last_token(self, request_id: str) -> None:
@@ -122,16 +129,16 @@ class PrefillLegs:
             if computed is None:
                 continue
             if leg.state == P.ADMITTED:
-                PREFILL_TRANSITIONS.move(leg, P.COMPUTING)
+                self._move(leg, P.COMPUTING)
             milestones.append((request_id, "computing"))
             blocks = self._blocks(leg)
             if computed >= leg.prompt_len:
-                PREFILL_TRANSITIONS.move(leg, P.SENDING)
+                self._move(leg, P.SENDING)
                 milestones.append((request_id, "last_step"))
                 self.plan.produces.append(Produce(request_id, leg.transfer_id, blocks))
             elif self.progressive:
                 if leg.state == P.COMPUTING:
-                    PREFILL_TRANSITIONS.move(leg, P.PROGRESSING)
+                    self._move(leg, P.PROGRESSING)
                 full = computed // self.block_size * len(leg.groups)
                 self.plan.progress.append(Progress(request_id, leg.transfer_id, blocks, full))
         return milestones
@@ -151,11 +158,11 @@ class PrefillLegs:
         if leg is None:
             return False
         if leg.state == P.COMPUTING:
-            PREFILL_TRANSITIONS.move(leg, P.ADMITTED)  # resuming re-reads them
+            self._move(leg, P.ADMITTED)  # resuming re-reads them
             return False
         if leg.state not in (P.PROGRESSING, P.SENDING):
             return False
-        PREFILL_TRANSITIONS.move(leg, P.SPOILED)
+        self._move(leg, P.SPOILED)
         self.plan.aborts.append(leg.transfer_id)
         return True
 
@@ -168,7 +175,7 @@ class PrefillLegs:
         if leg.state in (P.ADMITTED, P.COMPUTING):
             # No step of it was handed over: no WRITE can read these blocks.
             self.plan.aborts.append(leg.transfer_id)
-            PREFILL_TRANSITIONS.move(leg, P.RELEASED)
+            self._move(leg, P.RELEASED)
             del self.legs[leg.request_id]
             return Finish(False)
         if leg.state in (P.SPOILED, P.PROGRESSING):
@@ -177,12 +184,12 @@ class PrefillLegs:
             # producer lets go, and name nothing for decode to claim.
             if leg.state == P.PROGRESSING:
                 self.plan.aborts.append(leg.transfer_id)
-            PREFILL_TRANSITIONS.move(leg, P.HELD)
+            self._move(leg, P.HELD)
             return Finish(True)
         if not sendable:
             # A WRITE may be reading the blocks: free them only when the producer says so.
             self.plan.aborts.append(leg.transfer_id)
-        PREFILL_TRANSITIONS.move(leg, P.HELD)
+        self._move(leg, P.HELD)
         return Finish(True, echo=leg)
 
     def released(self, request_ids: Iterable[str]) -> list[str]:
@@ -191,7 +198,7 @@ class PrefillLegs:
         for request_id in request_ids:
             leg = self.legs.get(request_id)
             if leg is not None and leg.state == P.HELD:
-                PREFILL_TRANSITIONS.move(leg, P.RELEASED)
+                self._move(leg, P.RELEASED)
                 del self.legs[request_id]
                 done.append(request_id)
         return done

@@ -70,20 +70,6 @@ def _cpu_attention(vllm_config: VllmConfig) -> bool:
     return current_platform.device_type == "cpu" and not vllm_config.model_config.use_mla
 
 
-def _computes_prompt_here(scheduler: SchedulerSide, request: Any) -> None:
-    """vLLM drops a decode leg's match and computes its prompt (prompt logprobs): let
-    the producer free its KV now, not when this request ends, and say so, as vLLM
-    does it whatever kv_load_failure_policy says."""
-    request.kv_transfer_params["do_remote_prefill"] = False  # not matched again
-    scheduler.ledger.decode.finished(request.request_id)  # tells the producer
-    scheduler._recomputed(
-        "prompt_logprobs",
-        f"request {request.request_id} asks for prompt logprobs, for which vLLM computes "
-        "the prompt itself and reads no transferred KV, whatever kv_load_failure_policy "
-        "says; its transfer is released",
-    )
-
-
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
@@ -179,7 +165,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().on_new_request(request)
         params = request.kv_transfer_params or {}
         if self._states and params.get("do_remote_decode") and leave_last_token(request):
-            self._sched().ledger.prefill.left_last_token(request.request_id)
+            self._sched().ledger.left_last_token(request.request_id)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -187,7 +173,14 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = self._sched()
         tokens, load_async = scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         if tokens and reads_no_external_kv(request):
-            _computes_prompt_here(scheduler, request)
+            # vLLM computes the prompt itself (prompt logprobs), and says nothing.
+            scheduler.computes_prompt_here(
+                request,
+                "prompt_logprobs",
+                f"request {request.request_id} asks for prompt logprobs, for which vLLM "
+                "computes the prompt itself and reads no transferred KV, whatever "
+                "kv_load_failure_policy says; its transfer is released",
+            )
             return 0, False
         return tokens, load_async
 
@@ -206,7 +199,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = self._sched()
         block_size = self._vllm_config.cache_config.block_size
         lost = []
-        if request.request_id in scheduler.ledger.prefill.legs:  # a decode's own are freed
+        if scheduler.ledger.produces(request.request_id):  # a decode's own are freed
             lost = window_lost(
                 block_ids, self._windows, request.num_prompt_tokens, block_size, self._states
             )

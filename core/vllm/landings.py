@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvpush.engine.decode import DecodeLegs
+from kvpush.engine.ledger import Ledger
 from kvpush.vllm import hooks
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.wake import IdleSteps, LandingNote
@@ -31,8 +31,8 @@ _TAKEN_KEPT = 4096
 
 
 class Landings:
-    def __init__(self, legs: DecodeLegs, spans: Spans, idle: IdleSteps, ranks: int) -> None:
-        self.legs = legs
+    def __init__(self, ledger: Ledger, spans: Spans, idle: IdleSteps, ranks: int) -> None:
+        self.ledger = ledger
         self.spans = spans
         self.idle = idle
         self.ranks = ranks  # worker ranks that each ring for their share of a landing
@@ -61,14 +61,13 @@ class Landings:
             self._heard(note)
 
     def _heard(self, note: LandingNote) -> None:
-        request_id = self.legs.rank_landed(note.transfer_id, note.rank, self.ranks)
+        request_id = self.ledger.rank_landed(note.transfer_id, note.rank, self.ranks)
         if request_id is None or self.hook is None or not self.hook.take_landed(request_id):
             return
-        self.legs.loaded(request_id, failed=False)
-        if note.ready_wall:
-            self.spans.mark(request_id, "kv_ready", note.ready_wall)
-        self.spans.mark(request_id, "landed", note.wall)
-        self.spans.mark(request_id, "reported")
+        walls = {"kv_ready": note.ready_wall} if note.ready_wall else {}
+        self.spans.noted(request_id, walls | {"landed": note.wall})
+        self.ledger.loaded(request_id, failed=False)
+        self.spans.read(self.ledger.take_moves())
         self.taken += 1
         self._taken[request_id] = None
         while len(self._taken) > _TAKEN_KEPT:

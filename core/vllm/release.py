@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.engine.prefill import PrefillLegs
+from kvpush.engine.ledger import Ledger
 from kvpush.protocol.auth import release_key, release_token, release_token_ok
 from kvpush.vllm.wake import Ringer
 
@@ -62,7 +62,7 @@ class Releases:
     (vLLM's scheduler calls). Between them only a locked list of new asks, and each
     ask's event, cross."""
 
-    def __init__(self, legs: PrefillLegs, world: int, doorbell_port: int, secret: bytes) -> None:
+    def __init__(self, legs: Ledger, world: int, doorbell_port: int, secret: bytes) -> None:
         self._legs = legs
         self._world = world  # worker ranks: each gives its verdict
         self._key = release_key(secret) if secret else b""  # insecure: no tokens at all

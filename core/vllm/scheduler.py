@@ -23,10 +23,11 @@ vllm-router's NIXL push mode keeps) is completed from that endpoint's answer
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from kvpush.engine.ledger import Ledger
 from kvpush.errors import ConfigError, ProtocolError
@@ -50,6 +51,21 @@ log = logging.getLogger(__name__)
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _COUNTED = ("recomputed", "orphaned", "refused")
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _traced(call: _Call) -> _Call:
+    """A vLLM call into the ledger: what it moved goes to the request timelines
+    (kvpush.vllm.spans) once it returns."""
+
+    @functools.wraps(call)
+    def traced(self: SchedulerSide, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            self.spans.read(self.ledger.take_moves())
+
+    return traced  # type: ignore[return-value]
 
 
 class SchedulerSide:
@@ -113,8 +129,8 @@ class SchedulerSide:
         else:
             self.idle = IdleSteps(hooks.idle_wait_allowed(config.idle_wait_s))
         self.spans = Spans()
-        self.landings = Landings(self.ledger.decode, self.spans, self.idle, world)
-        self.releases = Releases(self.ledger.prefill, world, self.idle.doorbell.port, secret)
+        self.landings = Landings(self.ledger, self.spans, self.idle, world)
+        self.releases = Releases(self.ledger, world, self.idle.doorbell.port, secret)
 
     @property
     def epoch(self) -> str:
@@ -170,6 +186,7 @@ class SchedulerSide:
 
     # -- vLLM scheduler hooks -------------------------------------------------------------
 
+    @_traced
     def on_new_request(self, request: Any) -> None:
         """vLLM took the request in: name its transfer and tell the peer now, not when
         the request reaches the head of a queue that may be long."""
@@ -187,6 +204,7 @@ class SchedulerSide:
                 "orchestrator did not forward the prefill answer's; computing the prompt here",
             )
 
+    @_traced
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -198,21 +216,29 @@ class SchedulerSide:
             return 0, False
         self._admit_decode(request, params)  # if vLLM did not call on_new_request
         prompt_len = len(request.prompt_token_ids or ())
-        match = self.ledger.decode.matched(request.request_id, prompt_len, num_computed_tokens)
+        match = self.ledger.matched(request.request_id, prompt_len, num_computed_tokens)
         if match.local:
             params["do_remote_prefill"] = False
         return match.tokens, match.load_async
 
+    @_traced
+    def computes_prompt_here(self, request: Any, why: str, message: str) -> None:
+        """vLLM drops a decode leg's match and computes its prompt: the producer may free
+        its KV now, not when this request ends."""
+        request.kv_transfer_params["do_remote_prefill"] = False  # not matched again
+        self.ledger.computes_prompt(request.request_id)
+        self._recomputed(why, message)
+
+    @_traced
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         if not (params.get("do_remote_prefill") and num_external_tokens > 0):
             return
         # One transfer per request: a retry under "recompute" computes locally.
         params["do_remote_prefill"] = False
-        request_id = request.request_id
-        if self.ledger.decode.allocated(request_id, blocks.get_block_ids(), num_external_tokens):
-            self.spans.mark(request_id, "allocated")
+        self.ledger.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
+    @_traced
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._preempted(request_id)
@@ -222,11 +248,10 @@ class SchedulerSide:
         # Only legs still computing: a sent or held one is not looked up every step.
         computed = {
             request_id: self._computed_after(scheduler_output, request_id)
-            for request_id in self.ledger.prefill.still_computing()
+            for request_id in self.ledger.still_computing()
             if request_id in scheduled
         }
-        for request_id, milestone in self.ledger.prefill.step_scheduled(computed):
-            self.spans.mark(request_id, milestone)
+        self.ledger.step_scheduled(computed)
         self.releases.plan()  # asked on the identity endpoint since the last step
         meta = KVPushMetadata.of(self.ledger.take_plan())
         meta.doorbell, meta.doorbell_key = self.idle.doorbell.port, self.idle.doorbell.key
@@ -247,24 +272,18 @@ class SchedulerSide:
             return False
         return self.ledger.waiting_on_transfers()
 
+    @_traced
     def request_finished(
         self, request: Any, groups: Sequence[Sequence[int]], spoiled: bool = False
     ) -> tuple[bool, Any]:
         request_id = request.request_id
         self.idle.news()
         self._ids.forget(request_id)
-        is_prefill = request_id in self.ledger.prefill.legs
         # spoiled: vLLM freed blocks the KV needs (groups.window_lost): send nothing.
         finish = self.ledger.finished(request_id, _status(request) in _SENDABLE and not spoiled)
-        if not is_prefill:
-            self.spans.mark(request_id, "finished")
-            self.spans.drop(request_id)  # if it ended off the path (failed, aborted)
-            return False, None
         leg = finish.echo
         if leg is None:
-            self.spans.drop(request_id)
             return finish.keep_blocks, None
-        self.spans.mark(request_id, "computed")
         base = leg.base_id
         # The id a router matching legs by X-Request-Id knows the request by.
         known_as = base.removeprefix(api_kind(base)) if leg.named_here else base
@@ -273,27 +292,31 @@ class SchedulerSide:
             base, self.identity(), groups, known_as, leg.prompt_len, leg.transfer_id, token
         )
 
+    @_traced
     def update_connector_output(self, output: Any) -> None:
-        self.landings.drop_reported(output)
-        worker_meta = getattr(output, "kv_connector_worker_meta", None)
-        for request_id, why in (getattr(worker_meta, "failed", None) or {}).items():
-            self.spans.fail(request_id, why)
-        self._rank_states.update(getattr(worker_meta, "states", None) or {})
-        self._rank_hooks.update(getattr(worker_meta, "hooks", None) or {})
-        self.releases.heard(getattr(worker_meta, "releases", None))
-        for milestone in KVPushWorkerMeta.NOTES:
-            for request_id, wall in (getattr(worker_meta, milestone, None) or {}).items():
-                self.spans.mark(request_id, milestone, wall)
-        for request_id in output.finished_sending or ():
-            self.spans.mark(request_id, "released")
-        self.ledger.prefill.released(output.finished_sending or ())
+        """A step's output, before vLLM reads it."""
+        self.landings.drop_reported(output)  # the landings taken before schedule()
+        self._heard_from_workers(getattr(output, "kv_connector_worker_meta", None))
+        self.ledger.released(output.finished_sending or ())
         failed = getattr(output, "failed_recving", None) or ()
-        for request_id in output.finished_recving or ():
-            self.spans.mark(request_id, "reported")
-            loaded = self.ledger.decode.loaded(request_id, failed=request_id in failed)
-            if request_id not in failed:
-                self.spans.mark(request_id, "landed")  # if no worker stamped it
-                continue
+        self._loads_reported(output.finished_recving or (), failed)
+
+    def _heard_from_workers(self, meta: Any) -> None:
+        """What the worker ranks noted since the last step: failures, when KV landed or
+        was sent, their transfers' states, their hooks, their release verdicts."""
+        for request_id, why in (getattr(meta, "failed", None) or {}).items():
+            self.spans.fail(request_id, why)
+        for milestone in KVPushWorkerMeta.NOTES:
+            for request_id, wall in (getattr(meta, milestone, None) or {}).items():
+                self.spans.noted(request_id, {milestone: wall})
+        self._rank_states.update(getattr(meta, "states", None) or {})
+        self._rank_hooks.update(getattr(meta, "hooks", None) or {})
+        self.releases.heard(getattr(meta, "releases", None))
+
+    def _loads_reported(self, loaded_ids: Any, failed: Any) -> None:
+        """Decode loads the workers report ended: landed, or failed."""
+        for request_id in loaded_ids:
+            loaded = self.ledger.loaded(request_id, failed=request_id in failed)
             for follower, why in loaded.followers_failed:
                 self.spans.fail(follower, f"sibling_failed: {why}")
             if loaded.forget_endpoint:
@@ -327,12 +350,11 @@ class SchedulerSide:
                 request_id,
                 base,
             )
-            self.ledger.prefill.declined(request_id)
+            self.ledger.declined(request_id)
             return
         tid, _ = self._ids.assign(request, base)
         prompt_len = len(request.prompt_token_ids or ())
-        self.ledger.prefill.arrived(request_id, tid, base, prompt_len, named_here)
-        self.spans.begin(request_id, "prefill", base)
+        self.ledger.arrived(request_id, tid, base, prompt_len, named_here)
 
     def _name_transfer(self, request_id: str) -> str:
         """A transfer id for a prefill leg that brought none, alike for every engine
@@ -375,12 +397,12 @@ class SchedulerSide:
         if found is not None:
             reason, problem = found
             tid = str(params.get("transfer_id", ""))
-            self.ledger.decode.rejected(request_id, tid, problem, learnt_from)
+            self.ledger.rejected(request_id, tid, problem, learnt_from)
             self.counts["refused"][reason] += 1
-            self.spans.begin(request_id, "decode", tid)
+            self.spans.read(self.ledger.take_moves())  # its timeline begins, to say why
             self.spans.fail(request_id, f"{reason}: {problem}")
             log.error("kvpush: request %s cannot load its KV: %s", request_id, problem)
-            if self.ledger.decode.recompute_on_failure:
+            if self.ledger.recompute_on_failure:
                 self._recomputed(reason)
             return
         tid, leader = self._ids.assign(
@@ -390,33 +412,33 @@ class SchedulerSide:
             # The sibling may have finished already (vLLM adds n's choices one by one,
             # and under load far apart): prefill made no copy for this one under n,
             # so it must not wait for one.
-            failed = self.ledger.decode.follows(request_id, tid, leader, announce(tid, params))
+            failed = self.ledger.follows(request_id, tid, leader, announce(tid, params))
             if failed:
                 self.spans.fail(request_id, f"sibling_failed: {failed}")
             return
-        self.ledger.decode.announced(request_id, tid, announce(tid, params), learnt_from)
-        self.spans.begin(request_id, "decode", params["transfer_id"])
+        named = announce(tid, params)
+        self.ledger.announced(request_id, tid, named, learnt_from, params["transfer_id"])
 
     def _preempted(self, request_id: str) -> None:
         """vLLM took a producing request's blocks back, to compute it again later."""
-        if self.ledger.prefill.preempted(request_id):
+        ended = self.ledger.preempted(request_id)
+        if ended is not None:
             log.warning(
                 "kvpush: prefill request %s was preempted while its KV was being sent; "
                 "transfer %s ends without it",
                 request_id,
-                self.ledger.prefill.legs[request_id].transfer_id,
+                ended,
             )
 
     def _track_prefill_blocks(self, out: Any) -> None:
         for new in out.scheduled_new_reqs:
-            if new.req_id in self.ledger.prefill.legs:
-                self.ledger.prefill.blocks_assigned(new.req_id, new.block_ids, resumed=True)
+            self.ledger.blocks_assigned(new.req_id, new.block_ids, resumed=True)
         cached = out.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or ()  # vLLM 0.34: sent as new
         for i, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            if request_id in self.ledger.prefill.legs and new_blocks is not None:
-                self.ledger.prefill.blocks_assigned(request_id, new_blocks, request_id in resumed)
+            if new_blocks is not None:
+                self.ledger.blocks_assigned(request_id, new_blocks, request_id in resumed)
 
     def _computed_after(self, out: Any, request_id: str) -> int:
         """How many of the request's tokens have KV once this step has run (prefix-cache

@@ -1,6 +1,8 @@
 """Where a disaggregated request's time goes on one instance, phase by phase.
 
-The scheduler half marks each request's milestones as it sees them; the phases
+Each request's milestones are read off the request ledger's moves
+(kvpush.engine.moves: `read`), off the workers' notes of when KV landed or was
+sent (`noted`), and off the steps vLLM schedules (`scheduled`); the phases
 between consecutive milestones are the spans. They are kept per request for the
 last few hundred requests (GET /kvpush/trace on the identity port) and summed up
 per phase (GET /kvpush/spans). Milestones come with wall-clock times: a worker's
@@ -21,10 +23,11 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.engine.moves import Moved
 from kvpush.metrics import quantile
 
 MILESTONES = {
@@ -57,6 +60,31 @@ PARTS = {
 }
 _RECENT = 512
 _SAMPLES = 4096
+# The milestones a ledger move reaches, by its leg and the state it reached
+# (kvpush.engine.decode, kvpush.engine.prefill); _reached has the moves whose
+# milestones depend on the state they left too.
+_BEGINS = {"decode": ("announced", "rejected"), "prefill": ("admitted",)}
+_REACHES = {
+    "decode": {"loading": ("allocated",), "landed": ("landed", "reported"),
+               "failed": ("reported",)},
+    "prefill": {"computing": ("computing",), "sending": ("last_step",)},
+}  # fmt: skip
+
+
+# A prefill leg held or released reaches its milestone only from the state before it
+# on the path: held from sending (its KV computed and echoed), released from held.
+_ON_PATH = {("held", "sending"): "computed", ("released", "held"): "released"}
+
+
+def _reached(moved: Moved) -> tuple[tuple[str, ...], bool]:
+    """The milestones a ledger move reaches, and whether the request's timeline ends
+    with it off the path (kept as far as it got)."""
+    if moved.after is None:  # the engine finished a decode leg
+        return ("finished",), True
+    if moved.leg == "prefill" and moved.after in ("held", "released"):
+        milestone = _ON_PATH.get((moved.after, moved.before))
+        return ((milestone,), False) if milestone else ((), True)
+    return _REACHES[moved.leg].get(moved.after, ()), False
 
 
 @dataclass
@@ -108,14 +136,37 @@ class Spans:
         self._lock = threading.RLock()
         self._clock = clock
         self._open: dict[str, _Timeline] = {}
-        self._landed: set[str] = set()  # decode requests landed, not yet scheduled
         self._recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         self._samples: dict[str, deque[float]] = {}
 
     def begin(self, request_id: str, role: str, transfer_id: str) -> None:
         with self._lock:
-            if request_id not in self._open:
-                self._open[request_id] = _Timeline(role, transfer_id, {"arrived": self._clock()})
+            self._begin(request_id, role, transfer_id)
+
+    def _begin(self, request_id: str, role: str, transfer_id: str) -> None:
+        if request_id not in self._open:
+            self._open[request_id] = _Timeline(role, transfer_id, {"arrived": self._clock()})
+
+    def read(self, moves: Iterable[Moved]) -> None:
+        """The request ledger's moves (Ledger.take_moves), in order."""
+        with self._lock:
+            for moved in moves:
+                if moved.before is None:
+                    if moved.after in _BEGINS[moved.leg]:
+                        self._begin(moved.request_id, moved.leg, moved.transfer_id)
+                    continue
+                milestones, off_path = _reached(moved)
+                for milestone in milestones:
+                    self._mark(moved.request_id, milestone, None)
+                if off_path and moved.request_id in self._open:
+                    self._close(moved.request_id)
+
+    def noted(self, request_id: str, walls: Mapping[str, float]) -> None:
+        """Moments a worker noted of a request, on its wall clock (it landed, its KV
+        was ready, a chunk was sent): these come before the ledger hears of them."""
+        with self._lock:
+            for milestone, wall in walls.items():
+                self._mark(request_id, milestone, wall)
 
     def fail(self, request_id: str, why: str) -> None:
         """kvpush failed the request: its trace says why (the first reason given). vLLM
@@ -142,19 +193,17 @@ class Spans:
         if milestone not in MILESTONES[timeline.role] + EVENTS[timeline.role]:
             raise ValueError(f"{milestone!r} is not a {timeline.role} milestone")
         timeline.marks[milestone] = self._clock() if at is None else at
-        if milestone == "landed":
-            self._landed.add(request_id)
-        elif milestone == "scheduled":
-            self._landed.discard(request_id)
         if milestone == MILESTONES[timeline.role][-1]:
             self._close(request_id)
 
-    def scheduled(self, request_ids: Container[str]) -> None:
+    def scheduled(self, request_ids: Iterable[str]) -> None:
         """A step was scheduled: landed requests among `request_ids` reached theirs.
-        Looks only at landed requests, not every open one: it runs every step."""
+        Looks only at the step's requests, not every open one: it runs every step."""
         with self._lock:
-            for request_id in [r for r in self._landed if r in request_ids]:
-                self._mark(request_id, "scheduled", None)
+            for request_id in request_ids:
+                timeline = self._open.get(request_id)
+                if timeline is not None and "landed" in timeline.marks:
+                    self._mark(request_id, "scheduled", None)
 
     def drop(self, request_id: str) -> None:
         """The request ended off the path (aborted, recomputed): keep what it got to."""
@@ -164,7 +213,6 @@ class Spans:
 
     def _close(self, request_id: str) -> None:
         timeline = self._open.pop(request_id)
-        self._landed.discard(request_id)
         self._recent.append({"request_id": request_id, **timeline.as_dict()})
         if not timeline.complete():
             return

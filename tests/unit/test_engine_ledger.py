@@ -209,3 +209,32 @@ def test_outcomes_of_a_producer_release_before_the_engine_finished_wait_for_it()
     assert outcomes.take()[0] == set()
     outcomes.engine_finished({"p1"})
     assert outcomes.take()[0] == {"p1"}
+
+
+def test_the_ledger_hands_out_each_legs_beginning_moves_and_end_in_order():
+    """What a request's timeline is read from (kvpush.vllm.spans): a move the ledger
+    made but did not hand out, or handed out twice, would put a milestone wrong."""
+    ledger = Ledger(BLOCK)
+    ledger.announced("d1", "t1", ANNOUNCE, "", "router-t1")
+    ledger.matched("d1", 40, 0)
+    ledger.allocated("d1", [[5, 6, 7]], 40)
+    ledger.loaded("d1", failed=False)
+    ledger.finished("d1")
+    ledger.arrived("p1", "t2", "router-t2", 20, named_here=False)
+    ledger.blocks_assigned("p1", [[1, 2]], resumed=False)
+    ledger.step_scheduled({"p1": 20})
+    ledger.finished("p1", sendable=True)
+    ledger.released(["p1"])
+    moves = [(m.request_id, m.before, m.after, m.transfer_id) for m in ledger.take_moves()]
+    assert moves == [
+        ("d1", None, "announced", "router-t1"),
+        ("d1", "announced", "loading", "router-t1"),
+        ("d1", "loading", "landed", "router-t1"),
+        ("d1", "landed", None, "router-t1"),
+        ("p1", None, "admitted", "router-t2"),
+        ("p1", "admitted", "computing", "router-t2"),
+        ("p1", "computing", "sending", "router-t2"),
+        ("p1", "sending", "held", "router-t2"),
+        ("p1", "held", "released", "router-t2"),
+    ]
+    assert ledger.take_moves() == []

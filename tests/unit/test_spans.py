@@ -113,3 +113,30 @@ def test_worker_failure_reasons_survive_aggregation_over_ranks():
     assert not one.is_empty()
     merged = other.aggregate(one)
     assert merged.failed == {"r1": "peer_lost: x"} and merged.landed == {"r2": 1.0}
+
+
+def test_a_timeline_is_read_off_the_ledgers_moves():
+    """Spans keeps no account of its own: a decode leg's milestones come from the
+    ledger's moves, the worker's stamp of its landing, and the step that ran it."""
+    from kvpush.engine.ledger import Ledger
+    from kvpush.engine.steps import Announce
+
+    clock = iter(float(t) for t in range(1, 100))
+    spans = Spans(clock=lambda: next(clock))
+    ledger = Ledger(16)
+    ledger.announced("d1", "t1", Announce("t1", ("10.0.0.5:7100",)), "", "router-t1")
+    spans.read(ledger.take_moves())  # arrived: 1
+    ledger.matched("d1", 40, 0)
+    ledger.allocated("d1", [[5, 6, 7]], 40)
+    spans.read(ledger.take_moves())  # allocated: 2
+    spans.noted("d1", {"landed": 2.5})  # the worker's stamp wins over the report's time
+    ledger.loaded("d1", failed=False)
+    spans.read(ledger.take_moves())  # reported: 3
+    spans.scheduled({"other": 1, "d1": 1})  # scheduled: 4
+    ledger.finished("d1")
+    spans.read(ledger.take_moves())  # finished: 5
+    (trace,) = spans.trace()
+    assert trace["transfer_id"] == "router-t1"
+    assert trace["marks"] == {"arrived": 1.0, "allocated": 2.0, "landed": 2.5,
+                              "reported": 3.0, "scheduled": 4.0, "finished": 5.0}  # fmt: skip
+    assert spans.summary()["decode.kv_wait"]["count"] == 1
