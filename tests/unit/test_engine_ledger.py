@@ -238,3 +238,19 @@ def test_the_ledger_hands_out_each_legs_beginning_moves_and_end_in_order():
         ("p1", "held", "released", "router-t2"),
     ]
     assert ledger.take_moves() == []
+
+
+def test_a_transfer_let_go_between_chunks_is_not_held_again_by_a_later_plan():
+    """Each chunk's step names the transfer again: a record that went back to
+    sending would report its blocks only after a release that never comes."""
+    outcomes = Outcomes()
+    outcomes.sending("p1", "t1")
+    assert outcomes.sender("t1") == "p1"
+    assert outcomes.let_go("t1") == "p1"
+    outcomes.sending("p1", "t1")  # the next chunk's plan
+    assert outcomes.sender("t1") is None and outcomes.let_go("t1") is None
+    outcomes.engine_finished({"p1"})
+    assert outcomes.take() == ({"p1"}, set(), set())
+    outcomes.rejected("d1")  # refused at once: reported failed, with no transfer
+    assert outcomes.received("t9", ok=True) is None
+    assert outcomes.take() == (set(), {"d1"}, {"d1"})
