@@ -104,6 +104,10 @@ class Outcomes:
         OUTCOME_TRANSITIONS.move(record, to)
         return record.request_id
 
+    def kept(self) -> int:
+        """Records kept, by request or by transfer: 0 when nothing is in flight."""
+        return len(self._records) + len(self._by_transfer)
+
     # -- to the engine --------------------------------------------------------------
 
     def engine_finished(self, request_ids: Iterable[str]) -> None:

@@ -20,18 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.identities import PROMPT_CUT
 from kvpush.vllm import hooks
-from kvpush.vllm.compat import reads_no_external_kv, seeds_rewind, warn_known_defects
+from kvpush.vllm.compat import reads_no_external_kv, warn_known_defects
 from kvpush.vllm.config import ConnectorConfig, load_secret
-from kvpush.vllm.groups import (
-    leave_last_token,
-    recurrent,
-    state_layers,
-    transfer_groups,
-    window_lost,
-    windows,
-)
+from kvpush.vllm.groups import leave_last_token, window_lost
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.shape import EngineShape
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
 from kvpush.vllm.upstream_keys import check_buffer_device
 from kvpush.vllm.worker import WorkerSide
@@ -41,12 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _log_handler_installed = False
-
-
-def _served_name(vllm_config: Any) -> str:
-    """The name clients ask this engine for: both legs of a request carry the same."""
-    name = getattr(vllm_config.model_config, "served_model_name", None) or ""
-    return str(name[0] if isinstance(name, list | tuple) and name else name)
 
 
 def _show_kvpush_logs() -> None:
@@ -63,11 +51,36 @@ def _show_kvpush_logs() -> None:
     _log_handler_installed = True
 
 
-def _cpu_attention(vllm_config: VllmConfig) -> bool:
-    """Whether the KV cache is vLLM CPU attention's (kvpush.vllm.worker.VLLM_CPU_DIMS)."""
-    from vllm.platforms import current_platform
+def _start_scheduler(
+    config: ConnectorConfig,
+    shape: EngineShape,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    secret: bytes,
+) -> SchedulerSide:
+    """The scheduler half, and the hooks it needs while vLLM builds its engine (vLLM's
+    Scheduler is being built, in its engine: both are on the stack)."""
+    warn_known_defects(vllm_config)
+    if not shape.consumer_only and shape.windowed:
+        hooks.keep_window_margin(kv_cache_config)
+    if not shape.consumer_only and shape.states:
+        hooks.allow_prompt_cut()
+    scheduler = SchedulerSide(config, shape, secret=secret)
+    scheduler.landings.attach(shape.pipeline_stages, shape.synchronous)
+    hooks.ring_on_engine_inbox(scheduler.doorbell.inbox_ringer().ring)
+    if config.park_workers:
+        hooks.prepare_step_notify()
+    hooks.bound_reader_spin(config.reader_spin_s, executor_side=True)
+    hooks.bound_engine_spin(config.reader_spin_s)
+    hooks.RECORD.log_attached("scheduler")
+    return scheduler
 
-    return current_platform.device_type == "cpu" and not vllm_config.model_config.use_mla
+
+def _start_worker(config: ConnectorConfig, shape: EngineShape, device_type: str) -> WorkerSide:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_world_group
+
+    rank = get_tensor_model_parallel_rank()
+    return WorkerSide(config, shape, rank, device_type, get_world_group().local_rank)
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -84,79 +97,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         check_buffer_device(
             transfer.kv_buffer_device, current_platform.device_type, config.device_options
         )
-        engine_id = str(transfer.engine_id)
-        parallel = vllm_config.parallel_config
-        world = parallel.tensor_parallel_size
-        # vLLM runs each DP rank of a dense model as an independent engine told it is
-        # DP rank 0 of 1; data_parallel_index keeps the real rank, and the engine id
-        # its "_dp<rank>" suffix.
-        dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
-        data_parallel = parallel.data_parallel_size > 1 or engine_id.endswith(f"_dp{dp_rank}")
+        self._shape = EngineShape.read(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        groups = transfer_groups(kv_cache_config)  # refuses a group it cannot move
-        self._windows = windows(kv_cache_config) if kv_cache_config is not None else ()
-        self._states = recurrent(kv_cache_config) if kv_cache_config is not None else ()
         if role == KVConnectorRole.SCHEDULER:
-            warn_known_defects(vllm_config)
-            if transfer.kv_role != "kv_consumer" and any(self._windows):
-                hooks.keep_window_margin(kv_cache_config)
-            if transfer.kv_role != "kv_consumer" and self._states:
-                hooks.allow_prompt_cut()
-            cache = vllm_config.cache_config
-            self._scheduler = SchedulerSide(
-                config,
-                engine_id,
-                cache.block_size,
-                world,
-                prefix_caching=bool(cache.enable_prefix_caching),
-                consumer_only=transfer.kv_role == "kv_consumer",
-                recompute_on_failure=transfer.kv_load_failure_policy == "recompute",
-                dp_rank=dp_rank,
-                data_parallel=data_parallel,
-                lockstep=parallel.data_parallel_size > 1,
-                model_name=_served_name(vllm_config),
-                block_pages=not _cpu_attention(vllm_config),
-                kv_groups=groups,
-                windowed=any(self._windows),
-                states=self._states,
-                secret=secret,
+            self._scheduler = _start_scheduler(
+                config, self._shape, vllm_config, kv_cache_config, secret
             )
-            self._scheduler.me.kv_states = len(self._states)
-            self._scheduler.me.seeds_rewind = seeds_rewind()
-            # vLLM's Scheduler is being built, in its engine: both are on the stack.
-            synchronous = vllm_config.scheduler_config.async_scheduling is False
-            self._scheduler.landings.attach(parallel.pipeline_parallel_size, synchronous)
-            hooks.ring_on_engine_inbox(self._scheduler.doorbell.inbox_ringer().ring)
-            if config.park_workers:
-                hooks.prepare_step_notify()
-            hooks.bound_reader_spin(config.reader_spin_s, executor_side=True)
-            hooks.bound_engine_spin(config.reader_spin_s)
-            hooks.RECORD.log_attached("scheduler")
         else:
-            from vllm.distributed.parallel_state import (
-                get_tensor_model_parallel_rank,
-                get_world_group,
-            )
-            from vllm.platforms import current_platform
-
-            model = vllm_config.model_config
-            self._worker = WorkerSide(
-                config,
-                engine_id,
-                transfer.kv_role,
-                rank=get_tensor_model_parallel_rank(),
-                world=world,
-                device_type=current_platform.device_type,
-                local_rank=get_world_group().local_rank,
-                dp_rank=dp_rank,
-                # MLA's latent is one "head" every rank holds whole.
-                kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
-                cpu_attention=_cpu_attention(vllm_config),
-                groups=groups,
-                state_layers=state_layers(kv_cache_config),
-                states=len(self._states),
-            )
+            self._worker = _start_worker(config, self._shape, current_platform.device_type)
 
     # -- scheduler side ----------------------------------------------------------------
 
@@ -164,7 +113,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         # Named (kvpush.vllm.transfers) by its whole prompt, as its decode leg is.
         self._sched().on_new_request(request)
         params = request.kv_transfer_params or {}
-        if self._states and params.get("do_remote_decode") and leave_last_token(request):
+        if self._shape.states and params.get("do_remote_decode") and leave_last_token(request):
             self._sched().ledger.left_last_token(request.request_id)
 
     def get_num_new_matched_tokens(
@@ -200,8 +149,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = self._vllm_config.cache_config.block_size
         lost = []
         if scheduler.ledger.produces(request.request_id):  # a decode's own are freed
+            shape = self._shape
             lost = window_lost(
-                block_ids, self._windows, request.num_prompt_tokens, block_size, self._states
+                block_ids, shape.windows, request.num_prompt_tokens, block_size, shape.states
             )
         if lost:
             # Only without the window margin (hooks.keep_window_margin): a block the

@@ -42,6 +42,7 @@ from kvpush.vllm.identity import IdentityService
 from kvpush.vllm.landings import Landings
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.release import Releases
+from kvpush.vllm.shape import EngineShape
 from kvpush.vllm.spans import Spans
 from kvpush.vllm.transfers import EngineTransfers, api_kind, api_request_id
 from kvpush.vllm.wake import Doorbell, IdleSteps
@@ -81,56 +82,46 @@ class SchedulerSide:
     def __init__(
         self,
         config: ConnectorConfig,
-        engine_id: str,
-        block_size: int,
-        world: int,
-        prefix_caching: bool = True,
-        consumer_only: bool = False,
-        recompute_on_failure: bool = False,
-        dp_rank: int = 0,
-        data_parallel: bool = False,
-        lockstep: bool = False,
+        shape: EngineShape,
         bootstrap: BootstrapResolver | None = None,
-        model_name: str = "",
-        block_pages: bool = True,
-        kv_groups: int = 1,
-        windowed: bool = False,
-        states: tuple[int, ...] = (),  # recurrent-state groups (kvpush.vllm.groups)
         secret: bytes = b"",  # the deployment's: it keys the release tokens
     ) -> None:
         self.config = config
-        self.world = world
-        self.consumer_only = consumer_only  # kv_role kv_consumer: every request is a decode leg
+        self.shape = shape
         # By reason, since the last stats(): prompts recomputed here, orphaned legs, ...
         self.counts: dict[str, Counter[str]] = {k: Counter() for k in _COUNTED}
         # One of several DP ranks (vLLM runs each as an engine of its own): its ports
         # are offset by the rank, and DP rank 0 speaks for all in the bootstrap answer.
-        if data_parallel and config.bootstrap_port and not config.identity_port:
+        if shape.data_parallel and config.bootstrap_port and not config.identity_port:
             raise ConfigError(
                 "bootstrap_port with --data-parallel-size > 1 needs identity_port too: DP "
                 "rank 0's bootstrap server asks every other rank at identity_port + rank"
             )
         self.me = IdentityService(
-            config, engine_id, block_size, world, dp_rank, data_parallel, block_pages, kv_groups
-        )
-        self.ledger = Ledger(block_size, prefix_caching, recompute_on_failure,
-                             config.progressive, windowed, states, NULL_BLOCK)  # fmt: skip
+            config, shape.engine_id, shape.block_size, shape.world, shape.dp_rank,
+            shape.data_parallel, shape.block_pages, shape.kv_groups,
+        )  # fmt: skip
+        self.me.kv_states, self.me.seeds_rewind = len(shape.states), shape.seeds_rewind
+        self.ledger = Ledger(
+            shape.block_size, shape.prefix_caching, shape.recompute_on_failure,
+            config.progressive, shape.windowed, shape.states, NULL_BLOCK,
+        )  # fmt: skip
         self.bootstrap = bootstrap or BootstrapResolver()
         self._said: set[str] = set()  # what was logged once already
-        self._ids = EngineTransfers(model=model_name)
+        self._ids = EngineTransfers(model=shape.model_name)
         self._rank_states: dict[int, dict[str, int]] = {}  # worker rank -> its state counts
         self._rank_hooks: dict[int, dict[str, str]] = {}  # worker rank -> its vLLM hooks
         # DP ranks that step in lockstep (vLLM's MoE data parallel) meet in a collective
         # every few steps: one rank sleeping through an empty step would hold up the
         # others' real ones, so such ranks step as vLLM does.
-        if lockstep:
+        if shape.lockstep:
             self.idle = IdleSteps(0.0)
             hooks.RECORD.missed("idle_wait", "DP ranks step in lockstep here")
         else:
             self.idle = IdleSteps(hooks.idle_wait_allowed(config.idle_wait_s))
         self.spans = Spans()
-        self.landings = Landings(self.ledger, self.spans, self.idle, world)
-        self.releases = Releases(self.ledger, world, self.idle.doorbell.port, secret)
+        self.landings = Landings(self.ledger, self.spans, self.idle, shape.world)
+        self.releases = Releases(self.ledger, shape.world, self.idle.doorbell.port, secret)
 
     @property
     def epoch(self) -> str:
@@ -196,7 +187,7 @@ class SchedulerSide:
             self._admit_prefill(request, params)
         elif params.get("do_remote_prefill"):
             self._admit_decode(request, params)
-        elif self.consumer_only:
+        elif self.shape.consumer_only:
             self.counts["orphaned"]["no_kv_transfer_params"] += 1
             self._recomputed(
                 "no_kv_transfer_params",
@@ -391,7 +382,7 @@ class SchedulerSide:
             if learnt is None:
                 return  # its bootstrap server is being asked; vLLM asks again
             learnt_from = learnt
-            found = decode_leg_problem(params, self.config.protocol.mode, self.world, allowed)
+            found = decode_leg_problem(params, self.config.protocol.mode, self.shape.world, allowed)
         except LegError as exc:
             found = exc.reason, str(exc)
         if found is not None:

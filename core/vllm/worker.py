@@ -26,6 +26,7 @@ from kvpush.vllm.config import KV_ROLES, ConnectorConfig, insecure, load_secret,
 from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
+from kvpush.vllm.shape import EngineShape
 from kvpush.vllm.stats import KVPushStats
 from kvpush.vllm.wake import LandingNote, Ringer
 
@@ -124,31 +125,19 @@ class WorkerSide:
     def __init__(
         self,
         config: ConnectorConfig,
-        engine_id: str,
-        kv_role: str,
+        shape: EngineShape,
         rank: int,
-        world: int,
         device_type: str,
-        local_rank: int,
+        local_rank: int = 0,
         backends: Backends | None = None,
-        dp_rank: int = 0,
-        kv_heads: int = 0,
-        cpu_attention: bool = False,
-        groups: int = 1,
-        state_layers: frozenset[str] = frozenset(),
-        states: int = 0,
     ) -> None:
         self.config = config
-        self.cpu_attention = cpu_attention  # the cache is vLLM CPU attention's (VLLM_CPU_DIMS)
-        self.groups = groups  # KV cache groups a transfer carries (kvpush.vllm.groups)
-        self.states = states  # of them, recurrent-state groups
-        self.state_layers = state_layers  # their layers
-        self.engine_id = engine_id
-        self.role = KV_ROLES[kv_role]
-        self.rank, self.world = rank, world
+        self.shape = shape
+        self.groups = shape.kv_groups  # KV cache groups a transfer carries (kvpush.vllm.groups)
+        self.role = KV_ROLES[shape.kv_role]
+        self.rank, self.world = rank, shape.world
         # The model's KV heads, of which this rank's blocks hold its share (0: one each).
-        self.shard = Shard(rank, world, kv_heads or world)
-        self.dp_rank = dp_rank  # data-parallel rank: its workers get their own ports
+        self.shard = Shard(rank, shape.world, shape.kv_heads or shape.world)
         self.device_type = device_type
         self.backends = backends or get_backends()
         # Before the engine allocates anything: some runtimes read their environment once.
@@ -185,8 +174,8 @@ class WorkerSide:
             RECORD.log_attached("worker")
         options = self.config.device_options
         if self.groups > 1:
-            kv_caches = one_view_each(kv_caches, self.state_layers)
-        if self.cpu_attention:
+            kv_caches = one_view_each(kv_caches, self.shape.state_layers)
+        if self.shape.cpu_attention:
             tokens = next(iter(kv_caches.values())).shape[2]
             kv_caches, dims = as_head_parts(kv_caches), VLLM_CPU_DIMS
             options = {**options, "tokens_per_block": tokens}
@@ -199,12 +188,12 @@ class WorkerSide:
             kv.layout,
             shard=self.shard,
             groups=self.groups,
-            states=self.states,
+            states=len(self.shape.states),
             null_block=NULL_BLOCK,
         )
-        port = rank_port(self.config.port, self.dp_rank * self.world + self.rank)
+        port = rank_port(self.config.port, self.shape.dp_rank * self.world + self.rank)
         node_config = NodeConfig(
-            engine_id=self.engine_id,
+            engine_id=self.shape.engine_id,
             role=self.role,
             rank=self.rank,
             world=self.world,

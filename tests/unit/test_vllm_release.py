@@ -25,12 +25,15 @@ from kvpush.vllm import release
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.shape import EngineShape
 
 SECRET = b"the-deployment-secret-0123456789"
 
 
 def _prefill(secret: bytes = SECRET, world: int = 1, **extra) -> SchedulerSide:
-    side = SchedulerSide(ConnectorConfig.from_extra(extra), "engine-p", BLOCK, world, secret=secret)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra(extra), EngineShape("engine-p", BLOCK, world), secret=secret
+    )
     side.set_handshakes(
         {
             r: KVPushHandshake(r, world, f"10.0.0.5:710{r}", f"boot{r}", f"a{r}")

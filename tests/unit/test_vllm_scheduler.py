@@ -25,6 +25,7 @@ from kvpush.vllm.bootstrap import BootstrapResolver
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.shape import EngineShape
 from kvpush.vllm.transfers import (
     EngineTransfers,
     api_request_id,
@@ -54,7 +55,7 @@ def _closed_after(monkeypatch):
 
 def _side(mode: str = "push", granularity: str = "chunk") -> SchedulerSide:
     extra = {"mode": mode, "push_granularity": granularity}
-    side = SchedulerSide(ConnectorConfig.from_extra(extra), "engine-p", BLOCK, 1)
+    side = SchedulerSide(ConnectorConfig.from_extra(extra), EngineShape("engine-p", BLOCK, 1))
     side.set_handshakes({0: KVPushHandshake(0, 1, "10.0.0.5:7100", "e0", "agent-0")})
     return side
 
@@ -288,7 +289,7 @@ def test_under_the_fail_policy_a_follower_of_a_failed_load_fails_too():
 
 def test_under_the_recompute_policy_a_follower_of_a_failed_load_computes_it():
     side = SchedulerSide(
-        ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1, recompute_on_failure=True
+        ConnectorConfig.from_extra({}), EngineShape("engine-d", BLOCK, 1, recompute_on_failure=True)
     )
     follower = _failed_leader(side)
     assert side.get_num_new_matched_tokens(follower, 128) == (0, False)
@@ -330,7 +331,9 @@ def test_a_choice_added_after_its_sibling_failed_fails_too():
 
 
 def test_a_follower_without_prefix_caching_computes_at_once():
-    side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1, prefix_caching=False)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({}), EngineShape("engine-d", BLOCK, 1, prefix_caching=False)
+    )
     leader = _request("0_cmpl", 300, _decode_params())
     follower = _request("1_cmpl", 300, _decode_params())
     side.on_new_request(leader)
@@ -355,12 +358,12 @@ def test_prefill_echo_names_the_routers_transfer_id_not_the_engines():
 
 
 def test_the_boot_a_decode_leg_names_reaches_each_worker_rank():
-    prefill = SchedulerSide(ConnectorConfig.from_extra({}), "engine-p", BLOCK, 2)
+    prefill = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("engine-p", BLOCK, 2))
     prefill.set_handshakes(
         {r: KVPushHandshake(r, 2, f"10.0.0.5:710{r}", f"boot{r}", f"agent-{r}") for r in (0, 1)}
     )
     assert prefill.identity().epoch == "boot0-boot1"
-    decode = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 2)
+    decode = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("engine-d", BLOCK, 2))
     params = _decode_params(
         remote_epoch=prefill.epoch, remote_addresses=["10.0.0.5:7100", "10.0.0.5:7101"]
     )
@@ -474,7 +477,7 @@ def test_the_echo_carries_upstream_nixl_fields_with_upstream_types():
 
 def _decode_side(prefill: SchedulerSide) -> SchedulerSide:
     """A decode whose bootstrap queries reach `prefill`'s identity endpoint for real."""
-    side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1)
+    side = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("engine-d", BLOCK, 1))
     side.set_handshakes({0: KVPushHandshake(0, 1, "", "d0", "agent-d")})
     return side
 
@@ -576,7 +579,7 @@ def test_a_prefill_leg_with_a_malformed_transfer_id_sends_nothing(caplog):
 def test_decode_prompts_computed_locally_are_counted_by_reason():
     config = ConnectorConfig.from_extra({})
     side = SchedulerSide(
-        config, "engine-d", BLOCK, 1, consumer_only=True, recompute_on_failure=True
+        config, EngineShape("engine-d", BLOCK, 1, kv_role="kv_consumer", recompute_on_failure=True)
     )
     side.on_new_request(_request("d1", 50, None))  # the orchestrator forwarded nothing
     side.on_new_request(_request("d2", 50, _decode_params(transfer_mode="pull")))
@@ -595,7 +598,7 @@ def test_decode_prompts_computed_locally_are_counted_by_reason():
 
 
 def test_under_the_fail_policy_a_rejected_leg_is_refused_not_recomputed():
-    side = SchedulerSide(ConnectorConfig.from_extra({}), "engine-d", BLOCK, 1)
+    side = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("engine-d", BLOCK, 1))
     side.on_new_request(_request("d2", 50, _decode_params(transfer_mode="pull")))
     assert side.stats() == {"refused": {"mode_mismatch": 1}}
 
@@ -741,7 +744,9 @@ def _waiting_decode(side: SchedulerSide) -> None:
 
 
 def test_an_empty_step_while_kv_is_on_its_way_sleeps_until_the_doorbell_rings():
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({"idle_wait_s": 1.0}), EngineShape("e", BLOCK, 1)
+    )
     _waiting_decode(side)
     ringer = Ringer()
     ringer.port = side.doorbell.port
@@ -760,7 +765,9 @@ def test_a_prefill_whose_write_is_in_flight_parks_its_workers_but_tells_of_the_f
     its WRITE done often comes back with that step, and the engine goes idle. The
     workers must sleep after it (not spin vLLM's second), and the step must not
     wait on the doorbell: the blocks are freed on that news."""
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({"idle_wait_s": 1.0}), EngineShape("e", BLOCK, 1)
+    )
     request = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
     side.get_num_new_matched_tokens(request, 0)
     assert not side.build_connector_meta(
@@ -781,7 +788,9 @@ def test_a_prefill_whose_write_is_in_flight_parks_its_workers_but_tells_of_the_f
 
 
 def test_the_wait_is_bounded_so_new_requests_are_admitted():
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 0.05}), "e", BLOCK, 1)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({"idle_wait_s": 0.05}), EngineShape("e", BLOCK, 1)
+    )
     _waiting_decode(side)
     started = time.monotonic()
     side.build_connector_meta(_step())
@@ -793,7 +802,9 @@ def test_a_request_reaching_the_engine_ends_the_wait():
     """vLLM queues new requests and aborts until the step returns: the doorbell
     watches the engine's request queue, so neither waits out the bound."""
 
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({"idle_wait_s": 1.0}), EngineShape("e", BLOCK, 1)
+    )
 
     class Engine:  # vLLM's EngineCoreProc builds its scheduler, and so us, in __init__
         def __init__(self) -> None:
@@ -824,7 +835,7 @@ def test_dp_ranks_in_lockstep_never_wait():
     """vLLM's MoE data parallel meets in a collective every few steps: a rank asleep
     in an empty step would hold up its siblings' real ones."""
     config = ConnectorConfig.from_extra({"idle_wait_s": 1.0})
-    side = SchedulerSide(config, "e", BLOCK, 1, data_parallel=True, lockstep=True)
+    side = SchedulerSide(config, EngineShape("e", BLOCK, 1, data_parallel=True, lockstep=True))
     _waiting_decode(side)
     started = time.monotonic()
     assert side.build_connector_meta(_step()).park  # the workers still sleep
@@ -833,7 +844,9 @@ def test_dp_ranks_in_lockstep_never_wait():
 
 
 def test_steps_that_compute_or_carry_work_never_wait():
-    side = SchedulerSide(ConnectorConfig.from_extra({"idle_wait_s": 1.0}), "e", BLOCK, 1)
+    side = SchedulerSide(
+        ConnectorConfig.from_extra({"idle_wait_s": 1.0}), EngineShape("e", BLOCK, 1)
+    )
     _waiting_decode(side)
     busy = _step(new=[("x", 10, [9], 0)], scheduled={"x": 10})
     for _ in range(3):
