@@ -104,6 +104,17 @@ class Outcomes:
         OUTCOME_TRANSITIONS.move(record, to)
         return record.request_id
 
+    def end_all(self) -> list[str]:
+        """Every transfer ended at once (the KV cache's memory goes away): claims fail,
+        and the producer holds no blocks any more. The requests whose load failed."""
+        failed = []
+        for transfer_id, record in list(self._by_transfer.items()):
+            if record.state == OC.SENDING:
+                self.let_go(transfer_id)
+            elif self.received(transfer_id, ok=False) is not None:
+                failed.append(record.request_id)
+        return failed
+
     def kept(self) -> int:
         """Records kept, by request or by transfer: 0 when nothing is in flight."""
         return len(self._records) + len(self._by_transfer)

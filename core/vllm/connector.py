@@ -178,20 +178,11 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def unregister_kv_caches(self) -> None:
         # vLLM (0.33 sleep, 0.34 also a layer-by-layer weight update) frees the KV
-        # cache's memory after this and maps new memory at the same addresses later.
-        # Peers hold this registration; refusing keeps them from writing into
-        # memory vLLM gave away, before any weight or block changes.
-        raise RuntimeError(
-            "kvpush cannot follow vLLM releasing the KV cache's memory (sleep, "
-            "release_kv_cache_memory, or a layer-by-layer weight update short of "
-            "memory): its NIXL registration, which peers write into, would go stale. "
-            "Leave memory for weight updates (a lower gpu_memory_utilization) or serve "
-            "with --no-enable-extensible-kv-cache"
-        )
+        # cache's memory after this, and backs it again before restore_kv_caches.
+        self._work().unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
-        # unregister_kv_caches refuses, so nothing was released to restore.
-        return None
+        self._work().restore_kv_caches()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # What the scheduler hands out, to check the tensors against.

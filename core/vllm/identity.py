@@ -158,11 +158,8 @@ class IdentityService:
     ) -> None:
         """Learn every worker rank's identity, and start answering: /query, `routes`
         (GET) and `posts` (POST)."""
-        self._ranks = dict(handshakes)
-        if handshakes and all(h.epoch for h in handshakes.values()):
-            # This boot, as decode legs will name it: every rank's own, so a decode
-            # worker can check the one it pairs with.
-            self.epoch = EPOCH_SEPARATOR.join(handshakes[r].epoch for r in sorted(handshakes))
+        self._ranks = {}
+        self.learn(handshakes)
         if self.identity_server is None:
             port = rank_port(self.config.identity_port, self.dp_rank)
             self.identity_server = IdentityServer(
@@ -176,6 +173,16 @@ class IdentityService:
             self.bootstrap_server = IdentityServer(
                 self.config.listen, self.config.bootstrap_port, query
             )
+
+    def learn(self, handshakes: Mapping[int, KVPushHandshake]) -> None:
+        """Worker ranks' identities: every rank's at the start, a rank's again when its
+        node started afresh (a new boot, after vLLM let go of the KV cache's memory)."""
+        self._ranks.update(handshakes)
+        ranks = self._ranks
+        if ranks and all(h.epoch for h in ranks.values()):
+            # This boot, as decode legs will name it: every rank's own, so a decode
+            # worker can check the one it pairs with.
+            self.epoch = EPOCH_SEPARATOR.join(ranks[r].epoch for r in sorted(ranks))
 
     def identity(self) -> InstanceIdentity:
         port = self.identity_server.port if self.identity_server is not None else 0

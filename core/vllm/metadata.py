@@ -57,11 +57,13 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     # Prefill: transfer id -> rank -> what the router's release did there ("released",
     # or why the KV is kept: kvpush.protocol.actions.ReleaseRefused).
     releases: dict[str, dict[int, str]] = field(default_factory=dict)
+    # Rank -> its identity, when its node started afresh (restore_kv_caches: a new boot).
+    handshakes: dict[int, KVPushHandshake] = field(default_factory=dict)
 
     NOTES = ("landed", "kv_ready", "chunk_sent")  # each a spans milestone of that name
 
     def is_empty(self) -> bool:
-        if self.failed or self.states or self.hooks or self.releases:
+        if self.failed or self.states or self.hooks or self.releases or self.handshakes:
             return False
         return not any(getattr(self, name) for name in self.NOTES)
 
@@ -76,6 +78,7 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
         merged.failed = {**getattr(other, "failed", {}), **self.failed}
         merged.states = {**getattr(other, "states", {}), **self.states}
         merged.hooks = {**getattr(other, "hooks", {}), **self.hooks}
+        merged.handshakes = {**getattr(other, "handshakes", {}), **self.handshakes}
         theirs = getattr(other, "releases", {})
         merged.releases = {
             tid: {**theirs.get(tid, {}), **self.releases.get(tid, {})}

@@ -294,7 +294,8 @@ class SchedulerSide:
 
     def _heard_from_workers(self, meta: Any) -> None:
         """What the worker ranks noted since the last step: failures, when KV landed or
-        was sent, their transfers' states, their hooks, their release verdicts."""
+        was sent, their transfers' states, their hooks, a new boot's identity (after
+        vLLM let go of the KV cache's memory), their release verdicts."""
         for request_id, why in (getattr(meta, "failed", None) or {}).items():
             self.spans.fail(request_id, why)
         for milestone in KVPushWorkerMeta.NOTES:
@@ -302,6 +303,7 @@ class SchedulerSide:
                 self.spans.noted(request_id, {milestone: wall})
         self._rank_states.update(getattr(meta, "states", None) or {})
         self._rank_hooks.update(getattr(meta, "hooks", None) or {})
+        self.me.learn(getattr(meta, "handshakes", None) or {})
         self.releases.heard(getattr(meta, "releases", None))
 
     def _loads_reported(self, loaded_ids: Any, failed: Any) -> None:

@@ -32,6 +32,11 @@ from kvpush.vllm.wake import LandingNote, Ringer
 
 log = logging.getLogger(__name__)
 
+# Why a transfer ends while vLLM has let go of the KV cache's memory.
+KV_CACHE_RELEASED = (
+    "kv_cache_released: vLLM let go of the KV cache's memory (sleep, or a weight "
+    "update short of memory); kvpush moves no KV until it is restored"
+)
 # vLLM (>= 0.32) hands every attention layer's cache with the logical shape
 # [num_blocks, kv_heads, block_size, K and V packed]; strides say how it really lies.
 VLLM_KV_DIMS = ("blocks", "heads", "tokens", "kvdim")
@@ -155,6 +160,10 @@ class WorkerSide:
         self._parking = Parking(None)
         self._noted = KVPushWorkerMeta()  # for the scheduler's spans, until the next step
         self._states_told: dict[str, int] = {}  # the state counts last sent the scheduler
+        self._kv_caches: dict[str, Any] = {}  # vLLM's, as registered
+        self._blocks = (0, 0)  # (block size, blocks) the scheduler hands out
+        self._released = False  # vLLM let go of the KV cache's memory (unregister_kv_caches)
+        self._port = 0  # the side channel's, kept across a release
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -172,7 +181,14 @@ class WorkerSide:
         self._noted.hooks[self.rank] = RECORD.snapshot()
         if self.rank == 0:
             RECORD.log_attached("worker")
-        options = self.config.device_options
+        self._kv_caches, self._blocks = kv_caches, (block_size, num_blocks)
+        self._start_node(rank_port(self.config.port, self.shape.dp_rank * self.world + self.rank))
+
+    def _start_node(self, port: int) -> None:
+        """A node over the KV cache as it lies now, registered with NIXL, in a boot of its
+        own (a new epoch: peers holding an earlier boot's registration drop it)."""
+        block_size, num_blocks = self._blocks
+        kv_caches, options = self._kv_caches, self.config.device_options
         if self.groups > 1:
             kv_caches = one_view_each(kv_caches, self.shape.state_layers)
         if self.shape.cpu_attention:
@@ -191,7 +207,6 @@ class WorkerSide:
             states=len(self.shape.states),
             null_block=NULL_BLOCK,
         )
-        port = rank_port(self.config.port, self.shape.dp_rank * self.world + self.rank)
         node_config = NodeConfig(
             engine_id=self.shape.engine_id,
             role=self.role,
@@ -217,6 +232,37 @@ class WorkerSide:
             block_size or "?", self.groups, where,
         )  # fmt: skip
 
+    # -- the KV cache's memory let go and back (vLLM's sleep, weight updates) ------------
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM frees the KV cache's memory next. Every transfer ends now: a claim fails,
+        held KV is let go, and the node closes (peers see its connections drop at once)
+        and deregisters the memory from NIXL, so no peer writes into or reads from it.
+        Until restore_kv_caches a step's transfers are refused, naming why."""
+        if self.node is None or self._released:
+            return
+        for outcome in self.node.take_results():
+            self._account(outcome)
+        node, self.node = self.node, None
+        self._port = node.listener.port if node.listener is not None else 0
+        node.close()
+        self._released = True
+        for request_id in self._outcomes.end_all():
+            self._noted.failed.setdefault(request_id, KV_CACHE_RELEASED)
+        log.info("kvpush: rank %d let go of the KV cache's memory at vLLM's word", self.rank)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM backed the KV cache with memory again (at the same addresses, or new ones
+        in the same tensors): register it afresh in a new boot, on the same port, and
+        tell the scheduler the new identity; peers re-learn it before their next transfer."""
+        if not self._released:
+            return
+        self._start_node(self._port)
+        self._released = False
+        handshake = self.handshake()
+        if handshake is not None:
+            self._noted.handshakes[self.rank] = handshake
+
     def _ring(self, outcome: Outcome) -> None:
         """The node has an outcome (its loop thread): wake the scheduler, telling it
         which transfer landed here, so it may run the request before a step says so."""
@@ -237,6 +283,9 @@ class WorkerSide:
 
     def bind(self, meta: KVPushMetadata) -> None:
         """The step's metadata arrived (before the forward pass): act on it now."""
+        if self._released:
+            self._refuse(meta)
+            return
         node = self._node()
         self._ringer.port, self._doorbell_key = meta.doorbell, meta.doorbell_key
         if meta.park:
@@ -272,6 +321,20 @@ class WorkerSide:
         self._progress = list(meta.progress)
         for sent in (*self._produces, *self._progress):
             self._outcomes.sending(sent.request_id, sent.transfer_id)
+
+    def _refuse(self, meta: KVPushMetadata) -> None:
+        """A step while the KV cache's memory is let go: no transfer starts; each request
+        hears at once, as of any ended transfer (a load failed, blocks free again)."""
+        self._parking.unpark()
+        for expect in meta.expects:
+            self._outcomes.rejected(expect.request_id)
+            self._noted.failed.setdefault(expect.request_id, KV_CACHE_RELEASED)
+        for request_id, why in meta.rejects:
+            log.error("kvpush: failing the KV load of %s: %s", request_id, why)
+            self._outcomes.rejected(request_id)
+        for sent in (*meta.produces, *meta.progress):
+            self._outcomes.sending(sent.request_id, sent.transfer_id)
+            self._outcomes.let_go(sent.transfer_id)
 
     def save_layer(self, layer_name: str) -> None:
         """One layer of this step's KV is written: push it to whoever registered."""

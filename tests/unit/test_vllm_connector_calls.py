@@ -12,6 +12,7 @@ import pytest
 from test_vllm_scheduler import _decode_params, _request, _side
 
 from kvpush.vllm.connector import KVPushConnector
+from kvpush.vllm.metadata import KVPushHandshake, KVPushWorkerMeta
 
 
 class KVCacheAccess(enum.IntFlag):
@@ -53,10 +54,23 @@ def test_a_gpu_kv_cache_is_never_spread_over_allocations_nixl_cannot_register(
     assert answer & nixl_on_devices == nixl_on_devices
 
 
-def test_releasing_the_kv_cache_is_refused_before_vllm_frees_it_and_says_what_to_do():
-    with pytest.raises(RuntimeError, match="--no-enable-extensible-kv-cache"):
-        KVPushConnector.unregister_kv_caches(None)  # type: ignore[arg-type]
-    assert KVPushConnector.restore_kv_caches(None) is None  # type: ignore[arg-type]
+def test_releasing_the_kv_cache_is_the_workers_and_the_scheduler_learns_the_new_boot():
+    """vLLM calls unregister_kv_caches and restore_kv_caches on its workers
+    (tests/integration/test_worker_kv_release.py drives them): a worker's new boot
+    reaches the scheduler in a step's worker metadata, and its identity says so."""
+    side = _side()
+    with pytest.raises(RuntimeError, match="worker-side"):
+        _connector(side).unregister_kv_caches()
+    before = side.identity()
+    rebooted = KVPushHandshake(0, 1, before.addresses[0], "e-new", "agent-new")
+    output = SimpleNamespace(
+        finished_sending=set(), finished_recving=set(),
+        kv_connector_worker_meta=KVPushWorkerMeta(handshakes={0: rebooted}),
+    )  # fmt: skip
+    side.update_connector_output(output)
+    after = side.identity()
+    assert before.epoch != after.epoch == "e-new"
+    assert after.ranks[0].agent == "agent-new" and after.addresses == before.addresses
 
 
 def _connector(side):
