@@ -33,9 +33,8 @@ whose position i holds `groups` ids, one per group (`interleave`). A position a
 sliding window has left is padded with vLLM's null block (`null_block`): a pair
 with it on either side moves nothing.
 
-One module, past 550 lines: a layout and every mapping between two of them (heads
-across tensor-parallel sizes, pages across block sizes, descriptor rows) share
-their arithmetic, and are tested together exhaustively over small shapes.
+Which heads a rank holds is kvpush.shards', and block ids as pages kvpush.pages';
+both are importable from here too, as the layout's arithmetic uses them.
 """
 
 from __future__ import annotations
@@ -48,123 +47,18 @@ import msgspec
 import numpy as np
 
 from kvpush.errors import RegionError
+from kvpush.pages import block_size_problem as block_size_problem
+from kvpush.pages import blocks_of as blocks_of
+from kvpush.pages import page_factors as page_factors
+from kvpush.pages import to_pages as to_pages
 from kvpush.regions import MemRegion
+from kvpush.shards import Piece as Piece
+from kvpush.shards import Shard as Shard
+from kvpush.shards import assignment as assignment
+from kvpush.shards import sources as sources
+from kvpush.shards import tp_problem as tp_problem
 
 PARTS = ("KV", "K", "V", "mixed")
-
-
-class Shard(msgspec.Struct, frozen=True):
-    """Which of the model's `heads` KV heads TP rank `rank` of `world` holds, as vLLM
-    shards them: an equal share each, or, with fewer heads than ranks, one head,
-    replicated over world / heads ranks. MLA's latent is one head, replicated."""
-
-    rank: int = 0
-    world: int = 1
-    heads: int = 1
-
-    @property
-    def first(self) -> int:
-        if self.heads >= self.world:
-            return self.rank * (self.heads // self.world)
-        return self.rank * self.heads // self.world
-
-    @property
-    def count(self) -> int:
-        return max(1, self.heads // self.world)
-
-    def holds(self, head: int) -> bool:
-        return self.first <= head < self.first + self.count
-
-
-class Piece(NamedTuple):
-    """Heads [first, first + count) of the model go from producer rank `src` to
-    consumer rank `dst`."""
-
-    src: int
-    dst: int
-    first: int
-    count: int
-
-
-def assignment(src_world: int, dst_world: int, heads: int) -> list[Piece]:
-    """Which producer rank fills which heads of each consumer rank: every head a
-    consumer rank holds comes from exactly one producer rank holding it (replicas
-    taken in turn by consumer rank), consecutive heads from one rank in one piece."""
-    pieces: list[Piece] = []
-    for dst in range(dst_world):
-        mine = Shard(dst, dst_world, heads)
-        for head in range(mine.first, mine.first + mine.count):
-            holders = [s for s in range(src_world) if Shard(s, src_world, heads).holds(head)]
-            src = holders[dst % len(holders)]
-            last = pieces[-1] if pieces else None
-            if last and (last.src, last.dst) == (src, dst) and last.first + last.count == head:
-                pieces[-1] = last._replace(count=last.count + 1)
-            else:
-                pieces.append(Piece(src, dst, head, 1))
-    return pieces
-
-
-def tp_problem(src_world: int, dst_world: int, heads: int) -> str | None:
-    """Why producer and consumer TP sizes cannot pair for a model of `heads` KV
-    heads, or None. Pairable: one size divides the other."""
-    if src_world % dst_world and dst_world % src_world:
-        return (
-            f"tensor-parallel sizes {src_world} (prefill) and {dst_world} (decode) do not "
-            "divide one another: a decode rank's KV heads would straddle prefill ranks"
-        )
-    return None
-
-
-def block_size_problem(
-    src_tokens: int, dst_tokens: int, src_pages: bool = True, dst_pages: bool = True
-) -> str | None:
-    """Why a producer of `src_tokens` tokens per block cannot fill a consumer's blocks
-    of `dst_tokens`, or None. Pairable: one size divides the other, so that every
-    larger block is a whole number of the smaller ones, and both caches can be cut
-    into pages (`*_pages`: a side's blocks hold their tokens in a known order)."""
-    if max(src_tokens, dst_tokens) % min(src_tokens, dst_tokens):
-        return (
-            f"block sizes differ: prefill holds {src_tokens} tokens per block, decode "
-            f"{dst_tokens}; kvpush pairs block sizes only where one divides the other "
-            "(a larger block must be whole pages of the smaller)"
-        )
-    if src_tokens != dst_tokens and not (src_pages and dst_pages):
-        which = "prefill's" if not src_pages else "decode's"
-        return (
-            f"block sizes differ: prefill holds {src_tokens} tokens per block, decode "
-            f"{dst_tokens}, and {which} KV cache keeps its tokens in its attention "
-            "kernel's own order (vLLM's CPU build), so a page of another block size is "
-            "not a slice of it; start both with the same --block-size"
-        )
-    return None
-
-
-def page_factors(local_tokens: int, remote_tokens: int) -> tuple[int, int]:
-    """Pages per block on each side of a pair (the page: the smaller block size)."""
-    page = min(local_tokens, remote_tokens)
-    return local_tokens // page, remote_tokens // page
-
-
-def to_pages(block_ids: list[int], pages: int) -> list[int]:
-    """Block ids as page ids, `pages` pages a block, in order."""
-    if pages == 1:
-        return list(block_ids)
-    return [b * pages + j for b in block_ids for j in range(pages)]
-
-
-def blocks_of(page_ids: list[int], pages: int) -> list[int]:
-    """The blocks that hold these pages, in order of first appearance."""
-    if pages == 1:
-        return list(page_ids)
-    return list(dict.fromkeys(p // pages for p in page_ids))
-
-
-def sources(dst: Shard, src_world: int) -> list[tuple[int, int]]:
-    """The producer ranks consumer rank `dst` takes KV heads from, each with the number
-    of consumer ranks that producer rank fills (a claim's `parts`)."""
-    pieces = assignment(src_world, dst.world, dst.heads)
-    mine = sorted({p.src for p in pieces if p.dst == dst.rank})
-    return [(src, len({p.dst for p in pieces if p.src == src})) for src in mine]
 
 
 class BlockRun(msgspec.Struct, frozen=True):
