@@ -254,3 +254,12 @@ def test_a_transfer_let_go_between_chunks_is_not_held_again_by_a_later_plan():
     outcomes.rejected("d1")  # refused at once: reported failed, with no transfer
     assert outcomes.received("t9", ok=True) is None
     assert outcomes.take() == (set(), {"d1"}, {"d1"})
+
+
+def test_docs_show_the_outcome_table_the_worker_enforces():
+    from kvpush.engine.outcomes import OUTCOME_TRANSITIONS
+
+    marker = "<!-- outcome-transitions: rendered from kvpush.engine.outcomes -->"
+    text = DOCS.read_text()
+    assert marker in text
+    assert text.split(marker, 1)[1].lstrip().startswith(OUTCOME_TRANSITIONS.markdown())
