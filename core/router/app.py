@@ -21,8 +21,8 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -47,9 +47,12 @@ from kvpush.router.legs import (
     new_transfer_id,
     openai_error,
 )
+from kvpush.router.membership import Membership
+from kvpush.router.prefix import PrefixIndex
 from kvpush.router.reach import identity_unreachable, not_an_identity
 from kvpush.router.relay import Relay
 from kvpush.router.release import PrefillReleases
+from kvpush.router.reports import Reports
 from kvpush.router.request import (
     ANSWERED,
     TRACE,
@@ -59,6 +62,7 @@ from kvpush.router.request import (
     describe,
     upstream_message,
 )
+from kvpush.router.route import Planner, RoutingPolicy
 from kvpush.router.startup import introduction, listening
 
 log = logging.getLogger(__name__)
@@ -77,15 +81,6 @@ IDENTITY_TIMEOUT = aiohttp.ClientTimeout(total=IDENTITY_TIMEOUT_S)
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
-# Router histograms: (name, from milestone, to milestone).
-SPANS = (
-    ("router_dispatch_seconds", "received", "decode_sent"),
-    ("router_prefill_leg_seconds", "prefill_sent", "prefill_answered"),
-    ("router_decode_first_byte_seconds", "decode_sent", "first_byte"),
-    ("router_first_byte_seconds", "received", "first_byte"),
-)
-
-
 @dataclass
 class RouterConfig:
     prefill: list[Instance]
@@ -101,6 +96,9 @@ class RouterConfig:
     keepalive_s: float = 2.0
     # A streaming client's first token comes from the prefill leg (first_token.py).
     first_token: bool = True
+    # Whether each request is disaggregated, and where it runs (route.py).
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    instances_file: str | None = None  # read again each health interval (membership.py)
 
 
 class Router:
@@ -110,8 +108,8 @@ class Router:
         self.decode = Pool(config.decode)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
-        self.traces: deque[dict[str, Any]] = deque(maxlen=512)
         self._health_task: asyncio.Future | None = None
+        self._file_task: asyncio.Future | None = None
         self._draining: set[asyncio.Future] = set()  # decode legs nobody reads
         # The relays, one chosen per request (_relay_for): decode's answer as it comes,
         # or behind the prefill leg's first token.
@@ -120,6 +118,15 @@ class Router:
         self.releases = PrefillReleases(self._http, self.metrics)  # KV no decode will claim
         self.watch = HealthWatch(self.prefill.instances + self.decode.instances, self.metrics,
                                  self._http)  # fmt: skip
+        self.reports = Reports(config.mode, self.prefill, self.decode, self.metrics, self.watch,
+                               self._http, _forwarded)  # fmt: skip
+        self.traces = self.reports.traces
+        self.index = PrefixIndex()
+        self.planner = Planner(config.policy, self.prefill, self.decode, self.index, self.metrics)
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        self.members = Membership(pools, self.watch, self.index, self.metrics, self._try_learning,
+                                  hold_s=2 * max(config.health_interval_s, 1.0),
+                                  drain_timeout_s=config.timeout_s)  # fmt: skip
 
     # -- application ------------------------------------------------------------------
 
@@ -127,10 +134,14 @@ class Router:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/kvpush/trace", self.trace)
+        app.router.add_get("/v1/models", self.reports.models)
+        app.router.add_get("/health", self.reports.health)
+        app.router.add_get("/metrics", self.reports.prometheus)
+        app.router.add_get("/kvpush/trace", self.reports.trace)
+        app.router.add_get("/instances", self.members.list_)
+        app.router.add_post("/instances", self.members.post)
+        app.router.add_delete("/instances", self.members.delete)
+        app.router.add_delete("/instances/{url:.+}", self.members.delete)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -153,14 +164,28 @@ class Router:
                 if problem:
                     log.error("kvpush router: %s", problem)
 
+        for instance in self.prefill.instances + self.decode.instances:
+            self.members.subscribe(instance)
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.ensure_future(
                 self.watch.forever(self.config.health_interval_s)
             )
+        if self.config.instances_file:
+            path = Path(self.config.instances_file)
+            await self.members.reread(path)
+            interval = self.config.health_interval_s or 5.0
+            self._file_task = asyncio.ensure_future(self._reread_forever(path, interval))
+
+    async def _reread_forever(self, path: Path, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.members.reread(path)
 
     async def _stop(self, app: web.Application) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._file_task):
+            if task is not None:
+                task.cancel()
+        await self.members.close()
         await self.releases.close()
         if self.session is not None:
             await self.session.close()
@@ -193,7 +218,7 @@ class Router:
             self.metrics.add("router_in_flight", -1)
             self.metrics.observe("router_request_seconds", time.monotonic() - started)
             trace.mark("done")
-            self._record(trace)
+            self.reports.record(trace)
 
     async def _dispatch_with_retry(
         self, request: web.Request, endpoint: str, body: dict[str, Any], headers: dict[str, str]
@@ -201,21 +226,28 @@ class Router:
         """One dispatch; if an instance failed it before the client saw a byte, eject it
         and dispatch once more on another instance, with a new transfer id."""
         failed: Instance | None = None
+        tokens = await self.planner.tokens(self._http(), endpoint, body, headers)
         for attempt in range(2):
-            prefill = self.prefill.pick(avoid=failed if failed in self.prefill.instances else None)
             for instance in self.decode.instances:
                 if not instance.ranks and (problem := await self._try_learning(instance)):
                     log.warning("kvpush router: %s", problem)
-            decode = self.decode.pick(
-                avoid=failed if failed in self.decode.instances else None,
-                fits=lambda d, p=prefill: self._pair_problem(p, d) is None,
-            )
-            self._refuse_unpairable(prefill, decode)
-            prefill.outstanding += 1
-            decode.outstanding += 1
+            route = self.planner.plan(tokens, failed, self._pairs)
+            request[TRACE].route = route.as_dict()
+            legs = [i for i in (route.prefill, route.decode) if i is not None]
+            if route.prefill is not None:
+                self._refuse_unpairable(route.prefill, route.decode)
+            for instance in legs:
+                instance.outstanding += 1
             try:
-                response = await self._dispatch(request, endpoint, body, prefill, decode, headers)
-                for instance in (prefill, decode):
+                if route.prefill is None:
+                    response = await self._decode_alone(request, endpoint, body, route.decode,
+                                                        headers)  # fmt: skip
+                else:
+                    response = await self._dispatch(
+                        request, endpoint, body, route.prefill, route.decode, headers
+                    )
+                self.planner.sent(route)
+                for instance in legs:
                     self.metrics.inc("instance_outcomes", instance=instance.url, outcome="ok")
                 return response
             except LegFailed as exc:
@@ -232,56 +264,28 @@ class Router:
                 self.metrics.inc("retries", role=exc.instance.role)
                 log.warning("kvpush router: retrying on another instance: %s", exc.message)
             finally:
-                prefill.outstanding -= 1
-                decode.outstanding -= 1
+                for instance in legs:
+                    instance.outstanding -= 1
         raise AssertionError("unreachable")
 
-    async def models(self, request: web.Request) -> web.Response:
-        instance = self.decode.pick()
-        headers = _forwarded(request)
-        try:
-            async with self._http().get(instance.url + "/v1/models", headers=headers) as response:
-                return web.json_response(await response.json(), status=response.status)
-        except aiohttp.ClientError as exc:
-            return web.json_response(
-                openai_error(
-                    f"decode instance {instance.url} unreachable: {exc}", "upstream_error", 502
-                ),
-                status=502,
-            )
+    def _pairs(self, prefill: Instance, decode: Instance) -> bool:
+        return self._pair_problem(prefill, decode) is None
 
-    async def health(self, request: web.Request) -> web.Response:
-        everyone = self.prefill.instances + self.decode.instances
-        problems = await asyncio.gather(*(self.watch.probe(i) for i in everyone))
-        states = [problem is None for problem in problems]
-        report = {
-            i.url: {"role": i.role, "healthy": ok, "outstanding": i.outstanding}
-            for i, ok in zip(everyone, states, strict=True)
-        }
-        prefill_ok = any(ok for i, ok in zip(everyone, states, strict=True) if i.role == "prefill")
-        decode_ok = any(ok for i, ok in zip(everyone, states, strict=True) if i.role == "decode")
-        status = 200 if prefill_ok and decode_ok else 503
-        return web.json_response({"mode": self.config.mode, "instances": report}, status=status)
-
-    async def trace(self, request: web.Request) -> web.Response:
-        """The last N requests' milestones (?last=N, default 100), oldest first."""
-        try:
-            last = int(request.query.get("last", "100"))
-        except ValueError:
-            last = 100
-        return web.json_response(list(self.traces)[-last:])
-
-    def _record(self, trace: Trace) -> None:
-        for name, start, end in SPANS:
-            seconds = trace.since(start, end)
-            if seconds is not None:
-                self.metrics.observe(name, seconds)
-        self.traces.append(trace.as_dict())
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(
-            text=self.metrics.prometheus(prefix="kvpush_"), content_type="text/plain"
+    async def _decode_alone(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        decode: Instance,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """The client's request on its decode instance alone, as a plain instance
+        would serve it: no prefill leg, no transfer."""
+        request[TRACE].mark("decode_sent")
+        posted = asyncio.ensure_future(
+            self._http().post(decode.url + endpoint, json=body, headers=headers)
         )
+        return await self.plain.stream(request, decode, endpoint, body, posted)
 
     # -- one request ------------------------------------------------------------------
 
@@ -359,6 +363,8 @@ class Router:
             self._post_json(prefill, endpoint, prefill_leg_body, prefill_headers)
         )
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
+        prefill.pending.add(prefill_task)  # a drain waits for it (membership.py)
+        prefill_task.add_done_callback(prefill.pending.discard)
         answer = self._decode_relay(
             relay, request, prefill, decode, endpoint, decode_leg_body, headers, prefill_task, body
         )
