@@ -48,6 +48,7 @@ from kvpush.router.legs import (
     openai_error,
 )
 from kvpush.router.membership import Membership
+from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import PrefixIndex
 from kvpush.router.reach import identity_unreachable, not_an_identity
 from kvpush.router.relay import Relay
@@ -62,7 +63,7 @@ from kvpush.router.request import (
     describe,
     upstream_message,
 )
-from kvpush.router.route import Planner, RoutingPolicy
+from kvpush.router.route import Planner
 from kvpush.router.startup import introduction, listening
 
 log = logging.getLogger(__name__)

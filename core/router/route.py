@@ -11,40 +11,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from kvpush.errors import ConfigError
 from kvpush.metrics import Metrics
-from kvpush.router.decide import Decision, DecisionRule, decide
+from kvpush.router.decide import Decision, decide
 from kvpush.router.instances import Instance, Pool
-from kvpush.router.placement import Candidate, Weights, place_alone, place_pair
+from kvpush.router.placement import Candidate, place_alone, place_pair
+from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import PrefixIndex
 
 log = logging.getLogger(__name__)
 
-PLACEMENTS = ("load", "prefix")
 # Fields of a chat request that shape its prompt, as vLLM's /tokenize takes them.
 CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
                       "add_special_tokens", "chat_template", "chat_template_kwargs",
                       "tools", "documents")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RoutingPolicy:
-    rule: DecisionRule = field(default_factory=DecisionRule)
-    placement: str = "load"  # "load": least loaded; "prefix": scored (placement.py)
-    weights: Weights = field(default_factory=Weights)
-
-    def __post_init__(self) -> None:
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"unknown placement {self.placement!r}; known: {list(PLACEMENTS)}")
-
-    @property
-    def needs_tokens(self) -> bool:
-        return self.rule.needs_tokens or self.placement == "prefix"
 
 
 @dataclass
