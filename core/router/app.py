@@ -240,9 +240,12 @@ class Router:
             for instance in legs:
                 instance.outstanding += 1
             try:
-                if route.prefill is None:
-                    response = await self._decode_alone(request, endpoint, body, route.decode,
-                                                        headers)  # fmt: skip
+                if route.prefill is None:  # the client's request, as a plain instance gets it
+                    request[TRACE].mark("decode_sent")
+                    posted = self._http().post(route.decode.url + endpoint, json=body,
+                                               headers=headers)  # fmt: skip
+                    response = await self.plain.stream(request, route.decode, endpoint, body,
+                                                       asyncio.ensure_future(posted))  # fmt: skip
                 else:
                     response = await self._dispatch(
                         request, endpoint, body, route.prefill, route.decode, headers
@@ -271,24 +274,6 @@ class Router:
 
     def _pairs(self, prefill: Instance, decode: Instance) -> bool:
         return self._pair_problem(prefill, decode) is None
-
-    async def _decode_alone(
-        self,
-        request: web.Request,
-        endpoint: str,
-        body: dict[str, Any],
-        decode: Instance,
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        """The client's request on its decode instance alone, as a plain instance
-        would serve it: no prefill leg, no transfer."""
-        request[TRACE].mark("decode_sent")
-        posted = asyncio.ensure_future(
-            self._http().post(decode.url + endpoint, json=body, headers=headers)
-        )
-        return await self.plain.stream(request, decode, endpoint, body, posted)
-
-    # -- one request ------------------------------------------------------------------
 
     async def _dispatch(
         self,

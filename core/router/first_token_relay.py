@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvpush.router import first_token
 from kvpush.router.continuation import Departed, continuation_leg, text_in_context
-from kvpush.router.first_token import Continue, DecodeEdit, Send, Stop
+from kvpush.router.first_token import Continue, DecodeEdit, Send
 from kvpush.router.instances import Instance
 from kvpush.router.legs import openai_error
 from kvpush.router.relay import Relay
@@ -119,11 +119,28 @@ class FirstTokenRelay(Relay):
         why = None
         try:
             response = await posted
-            if response.status >= 400:
-                why = (await self.refused(decode, leg, response)).message
-            else:
-                why = await self._read(response, stream, decode, leg, body, edit, headers,
-                                       continuations)  # fmt: skip
+            if response.status >= 400:  # nothing sent yet, nothing continued
+                return (await self.refused(decode, leg, response)).message
+            async for event in events(response.content):
+                stop = None
+                for action in edit.feed(event):
+                    if isinstance(action, Send):
+                        await stream.write(encode(action.event))
+                    elif isinstance(action, Continue):
+                        self.metrics.inc("first_token_divergences")
+                        continuations.append(asyncio.ensure_future(
+                            self._continue(stream, decode, body, edit, action.index, headers)
+                        ))  # fmt: skip
+                    else:
+                        stop = action
+                if stop is not None and stop.error is not None:
+                    self.metrics.inc("leg_failures", leg="decode", why="error_event")
+                    failure = error_event(decode, stop.error)
+                    why = (await self.kvpush_reason(decode, leg, failure)).message
+                    break
+                if stop is not None:
+                    response.close()  # so decode stops generating what nobody reads
+                    break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
@@ -136,36 +153,6 @@ class FirstTokenRelay(Relay):
             for task in continuations:
                 task.cancel()
         return why if edit.unfinished() else None
-
-    async def _read(
-        self,
-        response: aiohttp.ClientResponse,
-        stream: web.StreamResponse,
-        decode: Instance,
-        leg: dict[str, Any],
-        body: dict[str, Any],
-        edit: DecodeEdit,
-        headers: dict[str, str],
-        continuations: list[asyncio.Future],
-    ) -> str | None:
-        """Do what `edit` says with each of decode's events; why it failed, if it did."""
-        async for event in events(response.content):
-            for action in edit.feed(event):
-                if isinstance(action, Send):
-                    await stream.write(encode(action.event))
-                elif isinstance(action, Continue):
-                    self.metrics.inc("first_token_divergences")
-                    continuations.append(asyncio.ensure_future(
-                        self._continue(stream, decode, body, edit, action.index, headers)
-                    ))  # fmt: skip
-                elif isinstance(action, Stop) and action.error is not None:
-                    self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                    failure = error_event(decode, action.error)
-                    return (await self.kvpush_reason(decode, leg, failure)).message
-                elif isinstance(action, Stop):
-                    response.close()  # so decode stops generating what nobody reads
-                    return None
-        return None
 
     async def _recover(
         self,

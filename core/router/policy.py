@@ -29,34 +29,34 @@ class RoutingPolicy:
         return self.rule.needs_tokens or self.placement == "prefix"
 
 
+# The numbers `kvpush router` takes: flag, default, what it says.
+NUMBERS = (
+    ("--min-uncached-tokens", DecisionRule.min_uncached_tokens,
+     "auto: a prompt of which decode lacks fewer tokens runs on decode alone"),
+    ("--prefill-queue-gap", DecisionRule.prefill_queue_gap,
+     "auto: decode alone when the least busy prefill has N more requests in flight"),
+    ("--queue-tokens", Weights.queue_tokens,
+     "prefix placement: a request in flight weighs as N prompt tokens"),
+)  # fmt: skip
+
+
 def add_options(parser: Any) -> None:
     """`kvpush router`'s options for the decision and placement."""
-    rule, weights = DecisionRule(), Weights()
     parser.add_argument(
-        "--disaggregate", choices=RULES, default=rule.rule,
+        "--disaggregate", choices=RULES, default=DecisionRule.rule,
         help="which requests get a prefill leg: always; never (decode alone); auto: those "
         "whose uncached prompt is long while decode is busy (docs/router.md)",
     )  # fmt: skip
-    parser.add_argument(
-        "--min-uncached-tokens", type=int, default=rule.min_uncached_tokens, metavar="N",
-        help="auto: a prompt of which decode lacks fewer tokens runs on decode alone",
-    )  # fmt: skip
+    for flag, default, meaning in NUMBERS:
+        parser.add_argument(flag, type=int, default=default, metavar="N", help=meaning)
     parser.add_argument(
         "--no-alone-when-idle", dest="alone_when_idle", action="store_false",
         help="auto: disaggregate a long prompt even when its decode has nothing in flight",
     )  # fmt: skip
     parser.add_argument(
-        "--prefill-queue-gap", type=int, default=rule.prefill_queue_gap, metavar="N",
-        help="auto: decode alone when the least busy prefill has N more requests in flight",
-    )  # fmt: skip
-    parser.add_argument(
         "--placement", choices=PLACEMENTS, default="load",
         help="load: least loaded instances; prefix: scored by the prefix each holds and "
         "the queues (KV events where an instance names kv_events=, else the router's index)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--queue-tokens", type=int, default=weights.queue_tokens, metavar="N",
-        help="prefix placement: a request in flight weighs as N prompt tokens",
     )  # fmt: skip
     parser.add_argument(
         "--instances-file", metavar="PATH",
