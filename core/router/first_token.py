@@ -18,12 +18,13 @@ text that may begin a stop string is held back (`released`).
 
 Everything here is a function of JSON: what each leg is sent, the client's opening
 events, and `DecodeEdit`, which takes decode's events and says what the client gets.
-The router (app.py) does the I/O. What it does not serve this way is relayed as
-before, and `not_served` names why: `n` > 1, beam search, `echo`, prompt logprobs,
-tools (a tool parser would read the first token differently streamed than whole),
-structured output (a continuation would start its grammar over), media (a
-continuation of token ids would lose them), unseeded sampling where an engine cannot
-take a seed it was not sent (below), and an answer not shaped as expected.
+The shells, the router (first_token_relay.py) and Ray (kvpush.ray_stream), do the
+I/O. What it does not serve this way is relayed as before, and `not_served` names
+why: `n` > 1, beam search, `echo`, prompt logprobs, tools (a tool parser would read
+the first token differently streamed than whole), structured output (a continuation
+would start its grammar over), media (a continuation of token ids would lose them),
+unseeded sampling where an engine cannot take a seed it was not sent (below), and an
+answer not shaped as expected.
 
 Both legs must sample alike, so a sampled request needs one seed on both. A seed the
 client did not send is one the router would mint, and vLLM gives a seeded request a

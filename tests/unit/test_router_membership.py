@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import pytest
 from test_router_app import Fake, _close, _serve, decode_ok, prefill_ok, run, sleeping
 
 from kvpush.router.decide import DecisionRule
@@ -27,11 +28,12 @@ async def _post(http: aiohttp.ClientSession, url: str, prompt: Any) -> int:
         return r.status
 
 
-def test_each_decision_path_sends_the_legs_it_says_and_is_counted_by_reason():
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_each_decision_path_sends_the_legs_it_says_and_is_counted_by_reason(mode):
     async def scenario():
         prefill, decode = Fake(prefill_ok), Fake(decode_ok)
         policy = auto(alone_when_idle=False)
-        _router, runner, url = await _serve([prefill], [decode], policy=policy)
+        _router, runner, url = await _serve([prefill], [decode], policy=policy, mode=mode)
         async with aiohttp.ClientSession() as http:
             assert await _post(http, url, list(range(100))) == 200  # short
             assert not prefill.bodies
