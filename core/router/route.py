@@ -72,7 +72,8 @@ class Planner:
             asked = {"prompt": prompt}
         else:
             return None
-        instance = self.decode.pick()
+        # The least busy decode; not a pick, which would take a round-robin turn.
+        instance = min(self.decode.candidates(), key=lambda i: i.outstanding)
         try:
             async with http.post(
                 instance.url + "/tokenize", json={"model": body.get("model"), **asked},

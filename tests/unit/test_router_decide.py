@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 
 from kvpush.errors import ConfigError
+from kvpush.metrics import Metrics
 from kvpush.router.decide import DecisionRule, decide
+from kvpush.router.instances import Instance, Pool
 from kvpush.router.kv_events import apply
 from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
+from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import Blocks, PrefixIndex, chain
+from kvpush.router.route import Planner
 
 AUTO = DecisionRule("auto", min_uncached_tokens=2048, alone_when_idle=True, prefill_queue_gap=4)
 
@@ -146,3 +150,22 @@ def test_events_of_a_parent_never_heard_of_or_another_group_name_nothing():
     apply(blocks, _batch(orphan, other_group))
     assert blocks.cached_tokens(list(range(16))) == 0
     assert apply(blocks, "not a batch") == 0
+
+
+def test_load_placement_alternates_equal_decodes_and_decides_on_the_one_it_picked():
+    prefill = Pool([Instance("http://p:1", "prefill")])
+    decode = Pool([Instance("http://d:1", "decode"), Instance("http://d:2", "decode")])
+    index, metrics = PrefixIndex(), Metrics()
+    planner = Planner(RoutingPolicy(AUTO, "load"), prefill, decode, index, metrics)
+    index.sent("http://d:2", LONG_PROMPT)
+    routes = [planner.plan(LONG_PROMPT, None, lambda p, d: True) for _ in range(4)]
+    assert [r.decode.url for r in routes] == ["http://d:1", "http://d:2"] * 2
+    assert [r.decision.reason for r in routes] == ["decode_idle", "cached_on_decode"] * 2
+    decode.instances[1].draining = True
+    assert {planner.plan(LONG_PROMPT, None, lambda p, d: True).decode.url for _ in range(3)} == {
+        "http://d:1"
+    }
+    assert metrics.counter("router_decisions", path="decode_alone", reason="decode_idle") == 5
+
+
+LONG_PROMPT = list(range(3000))
