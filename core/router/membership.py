@@ -136,8 +136,9 @@ class Membership:
                             "forgetting it anyway", instance.url, self.drain_timeout_s)  # fmt: skip
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        if instance in self.pools[instance.role].instances:
-            self.pools[instance.role].instances.remove(instance)
+        if instance not in self.pools[instance.role].instances:
+            return time.monotonic() - started  # forgotten by an earlier drain
+        self.pools[instance.role].instances.remove(instance)
         if instance in self.watch.instances:
             self.watch.instances.remove(instance)
         subscription = self.subscriptions.pop(instance.url, None)
