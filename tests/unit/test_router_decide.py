@@ -4,13 +4,17 @@ vLLM's own classes where vLLM is installed)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import pytest
+import zmq
 
 from kvpush.errors import ConfigError
 from kvpush.metrics import Metrics
 from kvpush.router.decide import DecisionRule, decide
 from kvpush.router.instances import Instance, Pool
-from kvpush.router.kv_events import apply
+from kvpush.router.kv_events import Subscription, apply
 from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import Blocks, PrefixIndex, chain
@@ -110,8 +114,6 @@ def test_the_index_forgets_the_least_recently_used_blocks_first():
 def _batch(*events):
     """A KVEventBatch as vLLM's publisher encodes it (and this module decodes it)."""
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    import msgspec
-
     payload = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=1.0, events=list(events)))
     return msgspec.msgpack.decode(payload)
 
@@ -169,3 +171,49 @@ def test_load_placement_alternates_equal_decodes_and_decides_on_the_one_it_picke
 
 
 LONG_PROMPT = list(range(3000))
+
+
+def test_a_subscription_reads_vllms_wire_format_and_starts_over_after_a_gap():
+    """Over a real ZMQ PUB socket, frames as vLLM's ZmqEventPublisher sends them:
+    topic, sequence number (8 bytes, big-endian), msgpack batch."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+    def stored(hashes, parent, first):
+        return kv_events.BlockStored(
+            block_hashes=hashes, parent_block_hash=parent,
+            token_ids=list(range(first, first + 16 * len(hashes))), block_size=16,
+            lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+
+    async def scenario():
+        publisher = zmq.Context.instance().socket(zmq.PUB)
+        port = publisher.bind_to_random_port("tcp://127.0.0.1")
+        blocks, metrics = Blocks(), Metrics()
+        subscription = Subscription(f"tcp://127.0.0.1:{port}", "d", blocks, metrics)
+        subscription.start()
+        encode = msgspec.msgpack.Encoder().encode
+
+        async def send(seq, *events):
+            batch = encode(kv_events.KVEventBatch(ts=1.0, events=list(events)))
+            publisher.send_multipart((b"", seq.to_bytes(8, "big"), batch))
+
+        # A slow joiner misses the first messages: send until the stored block is seen.
+        for _ in range(100):
+            await send(0, stored([b"a", b"b"], None, 0))
+            await asyncio.sleep(0.05)
+            if blocks.cached_tokens(list(range(40))) == 32:
+                break
+        assert blocks.cached_tokens(list(range(40))) == 32
+        assert metrics.counter("kv_events", instance="d") >= 1
+        gaps = metrics.counter("kv_events_gaps", instance="d")
+        await send(7, stored([b"c"], None, 100))  # 1 expected: events were lost
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if metrics.counter("kv_events_gaps", instance="d") > gaps:
+                break
+        assert blocks.cached_tokens(list(range(40))) == 0  # the old blocks: forgotten
+        assert blocks.cached_tokens(list(range(100, 120))) == 16
+        await subscription.close()
+        publisher.close(linger=0)
+
+    asyncio.run(scenario())
