@@ -8,7 +8,6 @@ import asyncio
 
 import msgspec
 import pytest
-import zmq
 
 from kvpush.errors import ConfigError
 from kvpush.metrics import Metrics
@@ -177,6 +176,7 @@ def test_a_subscription_reads_vllms_wire_format_and_starts_over_after_a_gap():
     """Over a real ZMQ PUB socket, frames as vLLM's ZmqEventPublisher sends them:
     topic, sequence number (8 bytes, big-endian), msgpack batch."""
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    zmq = pytest.importorskip("zmq")
 
     def stored(hashes, parent, first):
         return kv_events.BlockStored(
