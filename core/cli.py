@@ -16,6 +16,7 @@ from kvpush import arguments as a
 from kvpush.bench.commands import add_bench
 from kvpush.errors import KVPushError
 from kvpush.router import LOOPS
+from kvpush.router.policy import add_options as add_routing_options
 
 # 128 + SIGPIPE, as a shell reports a command whose reader went away (`| head`).
 BROKEN_PIPE = 141
@@ -139,6 +140,7 @@ def _secret(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     from kvpush.router.app import RouterConfig, run
     from kvpush.router.instances import Instance
+    from kvpush.router.policy import policy_of
 
     _show_router_logs()
     config = RouterConfig(
@@ -150,6 +152,8 @@ def _router(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval,
         keepalive_s=args.keepalive,
         first_token=args.first_token,
+        policy=policy_of(args),
+        instances_file=args.instances_file,
     )
     run(config, args.host, args.port, args.loop)
     return 0
@@ -266,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="event loop, as uvicorn's --loop: auto is uvloop where installed",
     )
+    add_routing_options(router)
     router.set_defaults(run=_router)
 
     secret = a.command(

@@ -104,17 +104,13 @@ class _FirstTokenEngine(LLMServer):
                 return
             if not isinstance(answered, dict):
                 answered = answered.model_dump()
-            opening = first_token.opening(answered, body, method == "chat")
-            if opening is None:  # not an answer this path can stand on: decode's stream
+            edit = first_token.DecodeEdit.start(answered, body, method == "chat")
+            if edit is None:  # not an answer this path can stand on: decode's stream
                 asked = first_token.as_asked(body)
                 async for chunk in local:
                     yield _rewritten(chunk, asked)
                 return
-            yield [_encode(event) for event in opening.events]
-            usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
-            edit = first_token.DecodeEdit(
-                opening, method == "chat", bool(body.get("return_token_ids")), usage_asked
-            )
+            yield [_encode(event) for event in edit.opening.events]
             if edit.unfinished():
                 body["request_id"] = decode_request.request_id  # Serve's, stamped by now
                 async for out in self._edited(local, edit, body):
@@ -122,8 +118,7 @@ class _FirstTokenEngine(LLMServer):
             else:  # decode computes one token nobody reads; its leg still claims the KV
                 _drain(local)
                 local = None
-            closing = [_encode(edit.usage())] if edit.usage_asked else []
-            yield [*closing, DONE]
+            yield [*(_encode(event) for event in edit.ending()), DONE]
         finally:
             if local is not None:  # a diverged choice's own stream is read no further
                 with contextlib.suppress(BaseException):
@@ -137,14 +132,14 @@ class _FirstTokenEngine(LLMServer):
         why = None
         async with contextlib.aclosing(_events(local)) as decoded:
             async for event in decoded:
-                if "error" in event:
-                    why = json.dumps(event["error"])[:300]
+                actions = edit.feed(event)  # a diverged choice is continued below
+                sent = [_encode(a.event) for a in actions if isinstance(a, first_token.Send)]
+                if sent:
+                    yield sent
+                stop = next((a for a in actions if isinstance(a, first_token.Stop)), None)
+                if stop is not None:  # closed on leaving: decode stops generating
+                    why = stop.error and json.dumps(stop.error["error"])[:300]
                     break
-                out, diverged = edit.edit(event)
-                if out is not None:
-                    yield [_encode(out)]
-                if diverged and not edit.unfinished():
-                    break  # closed on leaving: decode stops generating what nobody reads
         if why is not None:
             log.warning("kvpush: decode's leg failed mid-stream (%s); continuing here", why)
         for index in [i for i, c in edit.choices.items() if c.elsewhere] + edit.unfinished():

@@ -181,6 +181,15 @@ def _serve(benches: Any) -> None:
     p.add_argument(
         "--request-timeout", type=a.seconds, default=120.0, help="seconds before a request failed"
     )
+    p.add_argument(
+        "--workload", choices=("fresh", "chat"), default="fresh",
+        help="fresh: new prompts of each length; chat: sessions sharing a growing prefix, "
+        "short and long prompts (kvpush.bench.chat), the long ones of each length",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-args", action="append", default=[],
+        help="extra `kvpush router` arguments for push and pull, e.g. '--disaggregate auto'",
+    )  # fmt: skip
     p.add_argument("--out", help="output directory (default: kvpush-bench-serve-<time>)")
     p.set_defaults(run=_run_serve)
 
@@ -218,6 +227,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         idle_seconds=args.idle_seconds,
         seed=args.seed,
         request_timeout_s=args.request_timeout,
+        workload=args.workload,
+        router_args=tuple(arg for chunk in args.router_args for arg in chunk.split()),
     )
     return serve.main(settings, _out(args.out, "serve"), args.json)
 

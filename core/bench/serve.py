@@ -56,7 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench import load
+from kvpush.bench import chat, load
+from kvpush.bench.chat import WORKLOADS
 from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
 from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
@@ -93,6 +94,8 @@ class Settings:
     idle_seconds: float = 3.0
     seed: int = 0
     request_timeout_s: float = 120.0  # a request not answered by then failed (upstream hangs)
+    workload: str = "fresh"  # "chat": kvpush.bench.chat's mix, its long prompts the length
+    router_args: tuple[str, ...] = ()  # more `kvpush router` flags (push, pull)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.configs) - set(CONFIGS))
@@ -108,6 +111,8 @@ class Settings:
                 "upstream-push needs vLLM's NixlPushConnector, which the installed vLLM "
                 "lacks; leave it out of --configs"
             )
+        if self.workload not in WORKLOADS:
+            raise KVPushError(f"unknown workload {self.workload!r}; known: {list(WORKLOADS)}")
         for config in self.attach:
             if config not in ("plain", "push", "pull"):
                 raise KVPushError(f"--attach takes plain, push or pull, not {config!r}")
@@ -175,6 +180,7 @@ class Deployment:
             self._server("decode", "kv_consumer", s.decode_cpus, **kv)
             cluster.start()
             flags = ("--no-first-token",) if self.config == "push-decode-first" else ()
+            flags += s.router_args
             router = cluster.start_router(["prefill"], ["decode"], mode=mode, flags=flags)
             self.target = load.Target(router)
         elif self.config == "prefill-alone":
@@ -464,8 +470,11 @@ class Bench:
         # Fresh prompts per placement (a prefix cache must not serve the second one),
         # the same across configurations (so answers compare).
         seed = s.seed + PLACEMENTS.index(placement) * 1_000_003 + length * 101 + int(rate * 1000)
-        batch = load.prompts(s.requests, length, seed)
-        send_at = load.arrivals(s.requests, rate, seed)
+        if s.workload == "chat":
+            batch, send_at = chat.batch(s.requests, rate, seed, length)
+        else:
+            batch = load.prompts(s.requests, length, seed)
+            send_at = load.arrivals(s.requests, rate, seed)
         deployment.spans()  # start this cell's span counts afresh
         before = deployment.cpu_seconds()
         started = time.monotonic()

@@ -2,19 +2,17 @@
 
 Per request: pick a prefill and a decode instance, mint a transfer id, and send both
 legs at once (push) or prefill first (pull). The decode leg's answer, streamed or
-not, is the client's answer; a streaming client's first token comes from the prefill
-leg (early.py). A failed leg cancels the other and gives the client an OpenAI-style
-error; a client that goes away cancels both, which makes vLLM abort them, which
-makes kvpush free their blocks. A decode leg that ends before decode took it has
-prefill let go of the KV it computed for it (release.py).
+not, is the client's answer, through the relay chosen for the request (relay.py;
+first_token_relay.py where a streaming client's first token comes from the prefill
+leg). A failed leg cancels the other and gives the client an OpenAI-style error; a
+client that goes away cancels both, which makes vLLM abort them, which makes kvpush
+free their blocks. A decode leg that ends before decode took it has prefill let go
+of the KV it computed for it (release.py).
 
-One module, past 550 lines: the request path reads top to bottom, from the handler
-through both legs to the error the client gets. The parts that stand alone live
-beside it: instances.py (pools, pairing), health.py (the /health probes),
-startup.py (what it says as it starts), legs.py (what each leg is sent, and the
-OpenAI-style errors), request.py (a request's trace and its legs' failures), sse.py
-(server-sent events), first_token.py with early.py (the first token from
-prefill), and release.py (prefill KV that no decode will claim).
+The parts that stand alone live beside it: instances.py (pools, pairing), health.py
+(the /health probes), startup.py (what it says as it starts), legs.py (what each leg
+is sent, and the OpenAI-style errors), request.py (a request's trace and its legs'
+failures), sse.py (server-sent events).
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -41,18 +38,22 @@ from kvpush.identities import (
 )
 from kvpush.limits import raise_open_files
 from kvpush.metrics import Metrics
-from kvpush.router import LOOPS, first_token
-from kvpush.router.early import FirstTokenStreams
+from kvpush.router import event_loop, first_token
+from kvpush.router.first_token_relay import FirstTokenRelay
 from kvpush.router.health import HealthWatch
 from kvpush.router.instances import Instance, Pool, pairing_problem
 from kvpush.router.legs import (
     decode_leg,
     new_transfer_id,
     openai_error,
-    prefill_leg,
 )
+from kvpush.router.membership import Membership
+from kvpush.router.policy import RoutingPolicy
+from kvpush.router.prefix import PrefixIndex
 from kvpush.router.reach import identity_unreachable, not_an_identity
+from kvpush.router.relay import Relay
 from kvpush.router.release import PrefillReleases
+from kvpush.router.reports import Reports
 from kvpush.router.request import (
     ANSWERED,
     TRACE,
@@ -60,10 +61,9 @@ from kvpush.router.request import (
     Trace,
     cause,
     describe,
-    error_event,
     upstream_message,
 )
-from kvpush.router.sse import Rewriter, first_word, whole_json
+from kvpush.router.route import Planner
 from kvpush.router.startup import introduction, listening
 
 log = logging.getLogger(__name__)
@@ -82,15 +82,6 @@ IDENTITY_TIMEOUT = aiohttp.ClientTimeout(total=IDENTITY_TIMEOUT_S)
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
-# Router histograms: (name, from milestone, to milestone).
-SPANS = (
-    ("router_dispatch_seconds", "received", "decode_sent"),
-    ("router_prefill_leg_seconds", "prefill_sent", "prefill_answered"),
-    ("router_decode_first_byte_seconds", "decode_sent", "first_byte"),
-    ("router_first_byte_seconds", "received", "first_byte"),
-)
-
-
 @dataclass
 class RouterConfig:
     prefill: list[Instance]
@@ -106,21 +97,37 @@ class RouterConfig:
     keepalive_s: float = 2.0
     # A streaming client's first token comes from the prefill leg (first_token.py).
     first_token: bool = True
+    # Whether each request is disaggregated, and where it runs (route.py).
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    instances_file: str | None = None  # read again each health interval (membership.py)
 
 
-class Router(FirstTokenStreams):
+class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.prefill = Pool(config.prefill)
         self.decode = Pool(config.decode)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
-        self.traces: deque[dict[str, Any]] = deque(maxlen=512)
         self._health_task: asyncio.Future | None = None
-        self._draining: set[asyncio.Future] = set()  # decode legs nobody reads (_drain)
+        self._file_task: asyncio.Future | None = None
+        self._draining: set[asyncio.Future] = set()  # decode legs nobody reads
+        # The relays, one chosen per request (_relay_for): decode's answer as it comes,
+        # or behind the prefill leg's first token.
+        relay = (self._http, self.metrics, self.decode, self._eject, self._draining)
+        self.plain, self.early = Relay(*relay), FirstTokenRelay(*relay)
         self.releases = PrefillReleases(self._http, self.metrics)  # KV no decode will claim
         self.watch = HealthWatch(self.prefill.instances + self.decode.instances, self.metrics,
                                  self._http)  # fmt: skip
+        self.reports = Reports(config.mode, self.prefill, self.decode, self.metrics, self.watch,
+                               self._http, _forwarded)  # fmt: skip
+        self.traces = self.reports.traces
+        self.index = PrefixIndex()
+        self.planner = Planner(config.policy, self.prefill, self.decode, self.index, self.metrics)
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        self.members = Membership(pools, self.watch, self.index, self.metrics, self._try_learning,
+                                  hold_s=2 * max(config.health_interval_s, 1.0),
+                                  drain_timeout_s=config.timeout_s)  # fmt: skip
 
     # -- application ------------------------------------------------------------------
 
@@ -128,10 +135,14 @@ class Router(FirstTokenStreams):
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/kvpush/trace", self.trace)
+        app.router.add_get("/v1/models", self.reports.models)
+        app.router.add_get("/health", self.reports.health)
+        app.router.add_get("/metrics", self.reports.prometheus)
+        app.router.add_get("/kvpush/trace", self.reports.trace)
+        app.router.add_get("/instances", self.members.list_)
+        app.router.add_post("/instances", self.members.post)
+        app.router.add_delete("/instances", self.members.delete)
+        app.router.add_delete("/instances/{url:.+}", self.members.delete)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -154,14 +165,28 @@ class Router(FirstTokenStreams):
                 if problem:
                     log.error("kvpush router: %s", problem)
 
+        for instance in self.prefill.instances + self.decode.instances:
+            self.members.subscribe(instance)
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.ensure_future(
                 self.watch.forever(self.config.health_interval_s)
             )
+        if self.config.instances_file:
+            path = Path(self.config.instances_file)
+            await self.members.reread(path)
+            interval = self.config.health_interval_s or 5.0
+            self._file_task = asyncio.ensure_future(self._reread_forever(path, interval))
+
+    async def _reread_forever(self, path: Path, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.members.reread(path)
 
     async def _stop(self, app: web.Application) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._file_task):
+            if task is not None:
+                task.cancel()
+        await self.members.close()
         await self.releases.close()
         if self.session is not None:
             await self.session.close()
@@ -194,7 +219,7 @@ class Router(FirstTokenStreams):
             self.metrics.add("router_in_flight", -1)
             self.metrics.observe("router_request_seconds", time.monotonic() - started)
             trace.mark("done")
-            self._record(trace)
+            self.reports.record(trace)
 
     async def _dispatch_with_retry(
         self, request: web.Request, endpoint: str, body: dict[str, Any], headers: dict[str, str]
@@ -202,21 +227,31 @@ class Router(FirstTokenStreams):
         """One dispatch; if an instance failed it before the client saw a byte, eject it
         and dispatch once more on another instance, with a new transfer id."""
         failed: Instance | None = None
+        tokens = await self.planner.tokens(self._http(), endpoint, body, headers)
         for attempt in range(2):
-            prefill = self.prefill.pick(avoid=failed if failed in self.prefill.instances else None)
             for instance in self.decode.instances:
                 if not instance.ranks and (problem := await self._try_learning(instance)):
                     log.warning("kvpush router: %s", problem)
-            decode = self.decode.pick(
-                avoid=failed if failed in self.decode.instances else None,
-                fits=lambda d, p=prefill: self._pair_problem(p, d) is None,
-            )
-            self._refuse_unpairable(prefill, decode)
-            prefill.outstanding += 1
-            decode.outstanding += 1
+            route = self.planner.plan(tokens, failed, self._pairs)
+            request[TRACE].route = route.as_dict()
+            legs = [i for i in (route.prefill, route.decode) if i is not None]
+            if route.prefill is not None:
+                self._refuse_unpairable(route.prefill, route.decode)
+            for instance in legs:
+                instance.outstanding += 1
             try:
-                response = await self._dispatch(request, endpoint, body, prefill, decode, headers)
-                for instance in (prefill, decode):
+                if route.prefill is None:  # the client's request, as a plain instance gets it
+                    request[TRACE].mark("decode_sent")
+                    posted = self._http().post(route.decode.url + endpoint, json=body,
+                                               headers=headers)  # fmt: skip
+                    response = await self.plain.stream(request, route.decode, endpoint, body,
+                                                       asyncio.ensure_future(posted))  # fmt: skip
+                else:
+                    response = await self._dispatch(
+                        request, endpoint, body, route.prefill, route.decode, headers
+                    )
+                self.planner.sent(route)
+                for instance in legs:
                     self.metrics.inc("instance_outcomes", instance=instance.url, outcome="ok")
                 return response
             except LegFailed as exc:
@@ -233,58 +268,12 @@ class Router(FirstTokenStreams):
                 self.metrics.inc("retries", role=exc.instance.role)
                 log.warning("kvpush router: retrying on another instance: %s", exc.message)
             finally:
-                prefill.outstanding -= 1
-                decode.outstanding -= 1
+                for instance in legs:
+                    instance.outstanding -= 1
         raise AssertionError("unreachable")
 
-    async def models(self, request: web.Request) -> web.Response:
-        instance = self.decode.pick()
-        headers = _forwarded(request)
-        try:
-            async with self._http().get(instance.url + "/v1/models", headers=headers) as response:
-                return web.json_response(await response.json(), status=response.status)
-        except aiohttp.ClientError as exc:
-            return web.json_response(
-                openai_error(
-                    f"decode instance {instance.url} unreachable: {exc}", "upstream_error", 502
-                ),
-                status=502,
-            )
-
-    async def health(self, request: web.Request) -> web.Response:
-        everyone = self.prefill.instances + self.decode.instances
-        problems = await asyncio.gather(*(self.watch.probe(i) for i in everyone))
-        states = [problem is None for problem in problems]
-        report = {
-            i.url: {"role": i.role, "healthy": ok, "outstanding": i.outstanding}
-            for i, ok in zip(everyone, states, strict=True)
-        }
-        prefill_ok = any(ok for i, ok in zip(everyone, states, strict=True) if i.role == "prefill")
-        decode_ok = any(ok for i, ok in zip(everyone, states, strict=True) if i.role == "decode")
-        status = 200 if prefill_ok and decode_ok else 503
-        return web.json_response({"mode": self.config.mode, "instances": report}, status=status)
-
-    async def trace(self, request: web.Request) -> web.Response:
-        """The last N requests' milestones (?last=N, default 100), oldest first."""
-        try:
-            last = int(request.query.get("last", "100"))
-        except ValueError:
-            last = 100
-        return web.json_response(list(self.traces)[-last:])
-
-    def _record(self, trace: Trace) -> None:
-        for name, start, end in SPANS:
-            seconds = trace.since(start, end)
-            if seconds is not None:
-                self.metrics.observe(name, seconds)
-        self.traces.append(trace.as_dict())
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(
-            text=self.metrics.prometheus(prefix="kvpush_"), content_type="text/plain"
-        )
-
-    # -- one request ------------------------------------------------------------------
+    def _pairs(self, prefill: Instance, decode: Instance) -> bool:
+        return self._pair_problem(prefill, decode) is None
 
     async def _dispatch(
         self,
@@ -298,9 +287,8 @@ class Router(FirstTokenStreams):
         transfer_id = new_transfer_id()
         trace: Trace = request[TRACE]
         trace.transfer_id = transfer_id
-        early = self._first_token_here(body, prefill, decode)
-        if early:
-            body, trace.seed = first_token.with_seed(body)
+        relay = self._relay_for(body, prefill, decode)
+        body, trace.seed = relay.seeded(body)
         # Only push needs the identity up front; pull learns it from the prefill answer.
         if self.config.mode == "push" and not prefill.ranks and prefill.identity_url:
             try:
@@ -316,7 +304,7 @@ class Router(FirstTokenStreams):
         if self.config.mode == "pull" or not prefill.ranks:
             # Pull, or a producer we have not met yet: prefill first, learn who it is.
             trace.mark("prefill_sent")
-            leg = (first_token.prefill_leg if early else prefill_leg)(body, transfer_id)
+            leg = relay.prefill_leg(body, transfer_id)
             answer = await self._post_json(prefill, endpoint, leg, headers)
             trace.mark("prefill_answered")
             echo = identity_from_decode_params(answer.get("kv_transfer_params") or {})
@@ -332,14 +320,15 @@ class Router(FirstTokenStreams):
             answered: asyncio.Future = asyncio.get_running_loop().create_future()
             answered.set_result(answer)
             return await self._decode_relay(
-                early, request, prefill, decode, endpoint, leg, headers, answered, body
+                relay, request, prefill, decode, endpoint, leg, headers, answered, body
             )
         return await self._both_at_once(
-            request, endpoint, body, transfer_id, prefill, decode, headers, early
+            relay, request, endpoint, body, transfer_id, prefill, decode, headers
         )
 
     async def _both_at_once(
         self,
+        relay: Relay,
         request: web.Request,
         endpoint: str,
         body: dict[str, Any],
@@ -347,10 +336,9 @@ class Router(FirstTokenStreams):
         prefill: Instance,
         decode: Instance,
         headers: dict[str, str],
-        early: bool,
     ) -> web.StreamResponse:
         rank, identity = prefill.pick_rank()
-        prefill_leg_body = (first_token.prefill_leg if early else prefill_leg)(body, transfer_id)
+        prefill_leg_body = relay.prefill_leg(body, transfer_id)
         decode_leg_body = decode_leg(body, transfer_id, identity)
         # Data parallel: the decode leg names one DP rank's engine, so the prefill leg
         # must run on that rank, not wherever vLLM's own balancing would put it.
@@ -361,46 +349,40 @@ class Router(FirstTokenStreams):
             self._post_json(prefill, endpoint, prefill_leg_body, prefill_headers)
         )
         prefill_task.add_done_callback(lambda _: trace.mark("prefill_answered"))
-        relay = asyncio.ensure_future(
-            self._decode_relay(
-                early,
-                request,
-                prefill,
-                decode,
-                endpoint,
-                decode_leg_body,
-                headers,
-                prefill_task,
-                body,
-            )
+        prefill.pending.add(prefill_task)  # a drain waits for it (membership.py)
+        prefill_task.add_done_callback(prefill.pending.discard)
+        answer = self._decode_relay(
+            relay, request, prefill, decode, endpoint, decode_leg_body, headers, prefill_task, body
         )
+        relaying = asyncio.ensure_future(answer)
         try:
-            done, _ = await asyncio.wait({prefill_task, relay}, return_when=asyncio.FIRST_COMPLETED)
+            both = {prefill_task, relaying}
+            done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done and prefill_task.exception() is not None:
                 raise prefill_task.exception()  # the handler below cancels the decode leg
-            response = await relay
+            response = await relaying
         except BaseException:
-            for task in (prefill_task, relay):
+            for task in (prefill_task, relaying):
                 task.cancel()  # closing a leg's connection makes vLLM abort it
             raise
         # The decode leg succeeded: let the prefill leg finish on its own.
         prefill_task.add_done_callback(lambda task: self._prefill_done(prefill, identity, task))
         return response
 
-    def _first_token_here(self, body: dict[str, Any], prefill: Instance, decode: Instance) -> bool:
-        """Whether this request's first token comes from its prefill leg; a streamed
-        one that does not is counted by why."""
+    def _relay_for(self, body: dict[str, Any], prefill: Instance, decode: Instance) -> Relay:
+        """This request's relay: its first token from the prefill leg where it can
+        be; a streamed one that cannot is counted by why."""
         if not self.config.first_token:
-            return False
+            return self.plain
         rewinds = [i.seeds_rewind for i in (prefill.any_identity(), decode.any_identity()) if i]
         why = first_token.not_served(body, seeds_rewind=bool(rewinds) and all(rewinds))
         if why is not None and why != "not_streamed":
             self.metrics.inc("first_token_from_decode", why=why)
-        return why is None
+        return self.plain if why is not None else self.early
 
     async def _decode_relay(
         self,
-        early: bool,
+        relay: Relay,
         request: web.Request,
         prefill: Instance,
         decode: Instance,
@@ -410,21 +392,17 @@ class Router(FirstTokenStreams):
         prefill_answer: asyncio.Future,
         body: dict[str, Any],
     ) -> web.StreamResponse:
-        """The decode leg, sent, and its relay: behind the prefill leg's first token
-        (early.py), or the decode leg's answer as it comes. A decode leg that ends
-        before decode took it has prefill let go of the KV (release.py)."""
-        if early:
-            leg = first_token.decode_leg(leg)
+        """The decode leg, sent, and its answer through `relay`. A decode leg that
+        ends before decode took it has prefill let go of the KV (release.py)."""
+        leg = relay.decode_leg(leg)
         request[TRACE].mark("decode_sent")
         posted = asyncio.ensure_future(
             self._http().post(decode.url + endpoint, json=leg, headers=headers)
         )
         self.releases.watch(posted, prefill, prefill_answer)
-        if early:
-            return await self._relay_early(
-                request, decode, endpoint, leg, headers, prefill_answer, body, posted
-            )
-        return await self._relay(request, decode, endpoint, leg, headers, posted)
+        return await relay.relay(
+            request, decode, endpoint, leg, headers, posted, prefill_answer, body
+        )
 
     def _prefill_done(
         self, prefill: Instance, named: InstanceIdentity, task: asyncio.Future
@@ -457,107 +435,6 @@ class Router(FirstTokenStreams):
             message = f"{instance.role} instance {instance.url} failed: {describe(exc)}"
             raise LegFailed(502, message, instance=instance) from exc
 
-    async def _relay(
-        self,
-        request: web.Request,
-        decode: Instance,
-        endpoint: str,
-        leg: dict[str, Any],
-        headers: dict[str, str],
-        posted: asyncio.Future | None = None,
-        rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-    ) -> web.StreamResponse:
-        """Send the decode leg (unless `posted` has) and pass its answer through,
-        streamed if it streams; each streamed event through `rewrite` if given."""
-        trace: Trace = request[TRACE]
-        trace.mark("decode_sent")
-        stream: web.StreamResponse | None = None
-        if posted is None:
-            posted = asyncio.ensure_future(
-                self._http().post(decode.url + endpoint, json=leg, headers=headers)
-            )
-        try:
-            async with await posted as response:
-                if response.status >= 400:
-                    text = (await response.read()).decode(errors="replace")
-                    self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
-                    message = upstream_message(decode, text)
-                    failure = LegFailed(response.status, message, instance=decode)
-                    raise await self._kvpush_reason(decode, leg, failure)
-                if not leg.get("stream"):
-                    payload = await response.read()
-                    if not whole_json(payload):
-                        # Headers came, then the connection ended: a decode that died
-                        # mid-answer. Passing the stub on would be a 200 with no answer.
-                        self.metrics.inc("leg_failures", leg="decode", why="cut_short")
-                        message = (
-                            f"decode instance {decode.url} ended its answer early "
-                            f"({len(payload)} bytes, not a whole JSON object)"
-                        )
-                        raise LegFailed(502, message, instance=decode)
-                    trace.mark("first_byte")
-                    self.metrics.inc("requests", endpoint=endpoint, status="200")
-                    return web.Response(body=payload, content_type="application/json")
-                # Answer the client only once decode has produced something: until then a
-                # failed leg can still become a proper error status, or a retry.
-                chunks = response.content.iter_any()
-                head = b""
-                async for chunk in chunks:
-                    head += chunk
-                    if (word := first_word(head)) is not None:
-                        break
-                else:
-                    word = None
-                if word and "error" in word:
-                    self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                    raise await self._kvpush_reason(decode, leg, error_event(decode, word))
-                trace.mark("first_byte")
-                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await stream.prepare(request)
-                request[ANSWERED] = True
-                rewriter = Rewriter(rewrite) if rewrite is not None else None
-                await stream.write(rewriter.feed(head) if rewriter else head)
-                async for chunk in chunks:
-                    await stream.write(rewriter.feed(chunk) if rewriter else chunk)
-                if rewriter is not None:
-                    await stream.write(rewriter.rest())
-                await stream.write_eof()
-                self.metrics.inc("requests", endpoint=endpoint, status="200")
-                return stream
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
-            if stream is not None:
-                return self._stream_cut(stream, decode, endpoint, exc)
-            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
-            message = f"decode instance {decode.url} failed: {describe(exc)}"
-            raise LegFailed(502, message, instance=decode) from exc
-
-    async def _refused(
-        self, decode: Instance, leg: dict[str, Any], response: aiohttp.ClientResponse
-    ) -> LegFailed:
-        """A decode leg answered with an error status: the failure, with kvpush's
-        reason if kvpush failed it."""
-        text = (await response.read()).decode(errors="replace")
-        self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
-        failure = LegFailed(response.status, upstream_message(decode, text), instance=decode)
-        return await self._kvpush_reason(decode, leg, failure)
-
-    def _stream_cut(
-        self, stream: web.StreamResponse, decode: Instance, endpoint: str, exc: BaseException
-    ) -> web.StreamResponse:
-        """A stream the client was already reading broke. Leaving the decode leg's
-        context closed its connection, so vLLM aborts it; whose fault was it?"""
-        upstream = (
-            aiohttp.ClientPayloadError,
-            aiohttp.ServerDisconnectedError,
-            asyncio.TimeoutError,
-        )
-        if isinstance(exc, upstream):
-            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
-            log.warning("kvpush router: decode %s broke off a stream: %s", decode.url, exc)
-        else:
-            self.metrics.inc("client_disconnects", endpoint=endpoint)
-        return stream
-
     # -- helpers ----------------------------------------------------------------------
 
     async def _try_learning(self, instance: Instance) -> str | None:
@@ -572,31 +449,6 @@ class Router(FirstTokenStreams):
             except LegFailed as exc:
                 return exc.message
         return None
-
-    async def _kvpush_reason(
-        self, decode: Instance, leg: dict[str, Any], failure: LegFailed
-    ) -> LegFailed:
-        """A decode leg that failed on the server side: if kvpush failed it (its KV
-        could not be loaded), the decode instance's trace says why, and the client is
-        told that rather than vLLM's bare "Internal server error"."""
-        transfer_id = (leg.get("kv_transfer_params") or {}).get("transfer_id")
-        if failure.status < 500 or not decode.identity_url or not transfer_id:
-            return failure
-        url = decode.identity_url.removesuffix("/query") + "/kvpush/trace?last=512"
-        try:
-            async with self._http().get(url, timeout=aiohttp.ClientTimeout(total=5)) as answer:
-                traces = await answer.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return failure
-        reasons = [
-            t["error"] for t in traces if t.get("transfer_id") == transfer_id and t.get("error")
-        ]
-        if not reasons:
-            return failure
-        self.metrics.inc("kv_load_failures")
-        message = f"decode instance {decode.url} could not load the prompt's KV: {reasons[-1]}"
-        log.warning("kvpush router: %s", message)  # the client is told; the operator too
-        return LegFailed(failure.status, message, "kv_transfer_error", instance=decode)
 
     def _pair_problem(self, prefill: Instance, decode: Instance) -> str | None:
         mine, theirs = prefill.any_identity(), decode.any_identity()
@@ -657,25 +509,6 @@ class Router(FirstTokenStreams):
 
 def _forwarded(request: web.Request) -> dict[str, str]:
     return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
-
-
-def event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
-    """A new event loop of `kind`, as uvicorn's --loop reads it: "auto" is uvloop where
-    it is installed (vLLM depends on it), else asyncio's. Relaying a stream is a
-    read, an edit and a send per token, mostly system calls either way; uvloop's C
-    loop takes a little less of the router's CPU per request (docs/benchmarks.md),
-    CPU that a router on an engine's host takes from the engines."""
-    if kind not in LOOPS:
-        raise ValueError(f"unknown event loop {kind!r}; known: {list(LOOPS)}")
-    if kind != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if kind == "uvloop":
-                raise
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 def run(config: RouterConfig, host: str, port: int, loop: str = "auto") -> None:

@@ -18,12 +18,13 @@ text that may begin a stop string is held back (`released`).
 
 Everything here is a function of JSON: what each leg is sent, the client's opening
 events, and `DecodeEdit`, which takes decode's events and says what the client gets.
-The router (app.py) does the I/O. What it does not serve this way is relayed as
-before, and `not_served` names why: `n` > 1, beam search, `echo`, prompt logprobs,
-tools (a tool parser would read the first token differently streamed than whole),
-structured output (a continuation would start its grammar over), media (a
-continuation of token ids would lose them), unseeded sampling where an engine cannot
-take a seed it was not sent (below), and an answer not shaped as expected.
+The shells, the router (first_token_relay.py) and Ray (kvpush.ray_stream), do the
+I/O. What it does not serve this way is relayed as before, and `not_served` names
+why: `n` > 1, beam search, `echo`, prompt logprobs, tools (a tool parser would read
+the first token differently streamed than whole), structured output (a continuation
+would start its grammar over), media (a continuation of token ids would lose them),
+unseeded sampling where an engine cannot take a seed it was not sent (below), and an
+answer not shaped as expected.
 
 Both legs must sample alike, so a sampled request needs one seed on both. A seed the
 client did not send is one the router would mint, and vLLM gives a seeded request a
@@ -298,12 +299,42 @@ class _Choice:
     skip: int = 0  # a continuation's first tokens that the client was given already
 
 
+@dataclass(frozen=True)
+class Send:
+    """Write this event to the client."""
+
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Choice `index` diverged from what the client has: carry it on in a request
+    of its own (`resume`, `continued`)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Read decode's stream no further: it sent an `error` event, or (None) no
+    choice is left for it to serve, so closing it stops decode generating."""
+
+    error: dict[str, Any] | None = None
+
+
+Action = Send | Continue | Stop
+
+
 @dataclass
 class DecodeEdit:
-    """Decode's stream as the client gets it after the opening. `edit` takes one event
-    and returns the event to send (None: nothing) and the choices that diverged with
-    it; `resume` and `continued` carry a choice on in a request of its own; `usage`
-    rewrites the closing usage with the tokens the client really got."""
+    """Decode's stream as the client gets it after the opening. `feed` takes one of
+    decode's events and returns what the shell does with it; `resume` and
+    `continued` carry a choice on in a request of its own; `ending` is what the
+    client gets after the last event.
+
+    It finishes when every choice has ended or gone elsewhere (`unfinished` is
+    empty) or `feed` said Stop; a stream that ends before that leaves `unfinished`
+    choices to continue."""
 
     opening: Opening
     chat: bool
@@ -319,6 +350,34 @@ class DecodeEdit:
         }
         first = self.opening.events[0]
         self.head = {k: first[k] for k in ("id", "created") if k in first}
+
+    @classmethod
+    def start(cls, answer: dict[str, Any], body: dict[str, Any], chat: bool) -> DecodeEdit | None:
+        """The edit for a client's `body`, opened by prefill's whole `answer`; None
+        where that answer is not what this path can stand on (relay decode's stream
+        through `as_asked` instead)."""
+        first = opening(answer, body, chat)
+        if first is None:
+            return None
+        usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
+        return cls(first, chat, bool(body.get("return_token_ids")), usage_asked)
+
+    def feed(self, event: dict[str, Any]) -> list[Action]:
+        """One of decode's events: the choices to continue elsewhere, then the event
+        to send, then Stop where decode's stream should be read no further."""
+        if "error" in event:
+            return [Stop(event)]
+        out, diverged = self.edit(event)
+        actions: list[Action] = [Continue(i) for i in diverged]
+        if out is not None:
+            actions.append(Send(out))
+        if diverged and not self.unfinished():
+            actions.append(Stop())
+        return actions
+
+    def ending(self) -> list[dict[str, Any]]:
+        """The events after the last token: the usage, if the client asked for it."""
+        return [self.usage()] if self.usage_asked else []
 
     def edit(self, event: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
         if "error" in event or not isinstance(event.get("choices"), list):

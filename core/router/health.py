@@ -43,8 +43,9 @@ class HealthWatch:
         for two intervals, so one probe answering late does not let it flap."""
         while True:
             await asyncio.sleep(interval_s)
-            problems = await asyncio.gather(*(self.probe(i) for i in self.instances))
-            for instance, problem in zip(self.instances, problems, strict=True):
+            probed = list(self.instances)  # instances come and go meanwhile (membership.py)
+            problems = await asyncio.gather(*(self.probe(i) for i in probed))
+            for instance, problem in zip(probed, problems, strict=True):
                 self.record(instance, problem, hold_s=interval_s * 2)
 
     async def probe(self, instance: Instance) -> str | None:

@@ -30,6 +30,11 @@ class Instance:
     ejected_until: float = 0.0  # monotonic time; picked again only after it
     identity_asked: float = float("-inf")  # monotonic time its identity was last asked
     up: bool = True  # as its last /health probe found it (none yet: presumed up)
+    draining: bool = False  # takes no new requests; forgotten once none is in flight
+    kv_events: str | None = None  # the ZMQ endpoint its vLLM publishes KV-cache events on
+    # Its legs still running after the router answered the client (a prefill leg
+    # finishing on its own): a drain waits for them too.
+    pending: set[Any] = field(default_factory=set, repr=False)
     _turn: int = 0
 
     def learn(self, identity: InstanceIdentity) -> None:
@@ -70,11 +75,17 @@ class Instance:
             port = 0
         if port == 0:
             raise ConfigError(f"{role} instance {spec!r}: its port must be an integer in 1-65535")
-        identity_url = None
+        identity_url = kv_events = None
         for option in options:
+            key, _, value = option.partition("=")
+            if key.strip() == "kv_events":
+                kv_events = _zmq_endpoint(value.strip(), spec)
+                continue
             identity_port = _identity_port(option, spec)
             identity_url = f"http://{bracketed(parts.hostname)}:{identity_port}/query"
-        return cls(_api_base(url.rstrip("/"), role), role, identity_url)
+        instance = cls(_api_base(url.rstrip("/"), role), role, identity_url)
+        instance.kv_events = kv_events
+        return instance
 
 
 # "bootstrap" is an alias of "identity", so that commands already written keep working.
@@ -85,8 +96,9 @@ def _identity_port(option: str, spec: str) -> int:
     key, _, value = option.partition("=")
     if key.strip() not in IDENTITY_OPTIONS:
         raise ConfigError(
-            f"unknown option {option!r} in {spec!r}; the only option is identity=PORT "
-            "(the instance's identity_port; bootstrap=PORT is the same)"
+            f"unknown option {option!r} in {spec!r}; the options are identity=PORT "
+            "(the instance's identity_port; bootstrap=PORT is the same) and "
+            "kv_events=tcp://HOST:PORT (where its vLLM publishes KV-cache events)"
         )
     try:
         port = int(value)
@@ -95,6 +107,16 @@ def _identity_port(option: str, spec: str) -> int:
     if not 1 <= port <= 65535:
         raise ConfigError(f"{option!r} in {spec!r}: the port must be an integer in 1-65535")
     return port
+
+
+def _zmq_endpoint(value: str, spec: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("tcp", "ipc") or not (parts.netloc or parts.path):
+        raise ConfigError(
+            f"kv_events={value!r} in {spec!r}: a ZMQ endpoint such as tcp://host:5557 "
+            "(where the instance's --kv-events-config publishes)"
+        )
+    return value
 
 
 def _api_base(url: str, role: str) -> str:
@@ -119,7 +141,7 @@ def bracketed(host: str) -> str:
 
 class Pool:
     """Least outstanding work first; round-robin among equals; ejected instances
-    only when nothing else is left."""
+    only when nothing else is left; draining instances never."""
 
     def __init__(self, instances: list[Instance]) -> None:
         if not instances:
@@ -127,19 +149,36 @@ class Pool:
         self.instances = instances
         self._turn = itertools.count()
 
-    def pick(self, avoid: Instance | None = None, fits: Any = None) -> Instance:
-        """`fits(instance)`: whether it may take this request; instances that do not
-        are picked only when none does (and the caller then refuses the request)."""
+    def candidates(self, avoid: Instance | None = None, fits: Any = None) -> list[Instance]:
+        """The instances a request may go to. `fits(instance)`: whether it may take
+        this request; instances that do not are offered only when none does (and the
+        caller then refuses the request)."""
         now = time.monotonic()
-        suited = [i for i in self.instances if fits is None or fits(i)] or self.instances
+        open_ = [i for i in self.instances if not i.draining]
+        if not open_:
+            raise NoInstance(f"every {self.instances[0].role} instance is draining")
+        suited = [i for i in open_ if fits is None or fits(i)] or open_
         others = [i for i in suited if i is not avoid] or suited
-        candidates = [i for i in others if i.available(now)] or others
+        return [i for i in others if i.available(now)] or others
+
+    def pick(self, avoid: Instance | None = None, fits: Any = None) -> Instance:
+        candidates = self.candidates(avoid, fits)
         least = min(i.outstanding for i in candidates)
         tied = [i for i in candidates if i.outstanding == least]
-        return tied[next(self._turn) % len(tied)]
+        return tied[self.turn() % len(tied)]
+
+    def turn(self) -> int:
+        return next(self._turn)
 
     def has_other(self, instance: Instance) -> bool:
-        return any(i is not instance for i in self.instances)
+        return any(i is not instance and not i.draining for i in self.instances)
+
+    def find(self, url: str) -> Instance | None:
+        return next((i for i in self.instances if i.url == url), None)
+
+
+class NoInstance(ConfigError):
+    """No instance of a role may take requests now."""
 
 
 def pairing_problem(prefill: InstanceIdentity, decode: InstanceIdentity) -> str | None:

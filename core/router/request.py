@@ -50,6 +50,7 @@ class Trace:
     transfer_id: str = ""
     marks: dict[str, float] = field(default_factory=lambda: {"received": time.monotonic()})
     seed: int | None = None  # the sampling seed the router gave both legs, if it did
+    route: dict[str, Any] | None = None  # where it ran and why (route.py), once decided
 
     def mark(self, milestone: str) -> None:
         self.marks.setdefault(milestone, time.monotonic())
@@ -67,6 +68,8 @@ class Trace:
         }
         if self.seed is not None:
             entry["seed"] = self.seed
+        if self.route is not None:
+            entry["route"] = self.route
         return entry
 
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from test_router_app import ECHO, Fake, _close, _serve, run
 
 from kvpush.identities import PROMPT_CUT
-from kvpush.router.first_token import DecodeEdit, First, Opening, opening
+from kvpush.router.first_token import Continue, DecodeEdit, First, Opening, Send, Stop, opening
 
 PROMPT = [11, 12, 13]
 TOKENS = [(7, "A"), (8, "B"), (9, "C")]  # what both engines generate, in order
@@ -342,6 +342,38 @@ def test_decode_holding_back_text_prefill_already_gave_is_not_sent_twice():
     out, diverged = edit.edit(late)
     assert out["choices"][0]["text"] == "cd" and out["choices"][0]["token_ids"] == [8]
     assert not diverged and edit.choices[0].had == [7, 8]
+
+
+def test_feed_says_what_each_of_decodes_events_asks_of_the_shell():
+    """One place decides, for the router and Ray alike: send, continue a diverged
+    choice elsewhere, or stop reading decode (an error, or nothing left for it)."""
+    firsts = {i: First(token=7, text="a", prompt=PROMPT, finished=False, shown="a") for i in (0, 1)}
+    edit = DecodeEdit(Opening([{"id": "x", "created": 1}], firsts, 3), False, True)
+    same = {"choices": [{"index": 0, "text": "ab", "token_ids": [7, 8]}]}
+    [send] = edit.feed(same)
+    assert isinstance(send, Send) and send.event["choices"][0]["text"] == "b"
+    other = {"choices": [{"index": 1, "text": "z", "token_ids": [9]}]}
+    assert edit.feed(other) == [Continue(1)]  # choice 0 is decode's still: read on
+    ends = {"choices": [{"index": 0, "text": "c", "token_ids": [3], "finish_reason": "stop"}]}
+    assert isinstance(edit.feed(ends)[0], Send) and not edit.unfinished()
+    error = {"error": {"message": "boom"}}
+    assert edit.feed(error) == [Stop(error)]
+
+    alone = DecodeEdit(Opening([{"id": "x", "created": 1}], {0: firsts[0]}, 3), False, True)
+    assert alone.feed(other | {"choices": [{"index": 0, "text": "z", "token_ids": [9]}]}) == [
+        Continue(0),
+        Stop(),
+    ]
+
+
+def test_an_edit_starts_only_from_an_answer_it_can_stand_on_and_ends_with_usage_if_asked():
+    answer = {"id": "x", "created": 1, "choices": [{"index": 0, "text": "a", "token_ids": [7],
+              "prompt_token_ids": PROMPT}], "usage": {"prompt_tokens": 3}}  # fmt: skip
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    edit = DecodeEdit.start(answer, body, chat=False)
+    assert edit is not None and edit.ending()[0]["usage"]["completion_tokens"] == 1
+    assert DecodeEdit.start(answer, {"stream": True}, chat=False).ending() == []
+    assert DecodeEdit.start({"choices": []}, body, chat=False) is None
 
 
 def test_an_answer_this_path_cannot_stand_on_is_no_opening():

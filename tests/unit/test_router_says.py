@@ -230,7 +230,7 @@ def test_an_instance_going_down_and_back_is_said_and_counted_once_each(caplog):
          "the port must be an integer in 1-65535"),
         ("http://h:8100,identity=0", "the port must be an integer in 1-65535"),
         ("http://h:8100,identity=x", "the port must be an integer in 1-65535"),
-        ("http://h:8100,port=1", "the only option is identity=PORT"),
+        ("http://h:8100,port=1", "the options are identity=PORT"),
     ],
 )  # fmt: skip
 def test_ports_out_of_range_are_refused_naming_the_input(spec, said):

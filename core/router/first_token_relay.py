@@ -1,10 +1,6 @@
-"""The router's streaming path where the client's first token comes from the
-prefill leg: its I/O (first_token.py holds what each leg is sent and how decode's
-events are edited).
-
-`FirstTokenStreams` is a part of `Router` (app.py), kept here so that app.py reads
-as the one request path: it uses the router's HTTP session, metrics, decode pool
-and failure handling as its own.
+"""The relay whose streaming client gets its first token from the prefill leg: its
+I/O. What each leg is sent and how decode's events are edited is first_token.py's
+(`DecodeEdit`); this module reads, writes and continues as it says.
 """
 
 from __future__ import annotations
@@ -12,15 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from kvpush.router import first_token
 from kvpush.router.continuation import Departed, continuation_leg, text_in_context
+from kvpush.router.first_token import Continue, DecodeEdit, Send
 from kvpush.router.instances import Instance
 from kvpush.router.legs import openai_error
+from kvpush.router.relay import Relay
 from kvpush.router.request import (
     ANSWERED,
     TRACE,
@@ -33,84 +31,86 @@ from kvpush.router.request import (
 )
 from kvpush.router.sse import encode, events
 
-if TYPE_CHECKING:
-    from kvpush.router.app import Router
-
 log = logging.getLogger(__name__)
 
 
-class FirstTokenStreams:
-    """Router methods for streams whose first token is the prefill leg's."""
+class FirstTokenRelay(Relay):
+    """A streaming client's first token from the prefill leg, the rest from decode."""
 
-    async def _relay_early(
-        self: Router,
+    def seeded(self, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        return first_token.with_seed(body)
+
+    def prefill_leg(self, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+        return first_token.prefill_leg(body, transfer_id)
+
+    def decode_leg(self, leg: dict[str, Any]) -> dict[str, Any]:
+        return first_token.decode_leg(leg)
+
+    async def relay(
+        self,
         request: web.Request,
         decode: Instance,
         endpoint: str,
         leg: dict[str, Any],
         headers: dict[str, str],
+        posted: asyncio.Future,
         prefill_answer: asyncio.Future,
         body: dict[str, Any],
-        posted: asyncio.Future | None,
     ) -> web.StreamResponse:
         """The decode leg (`posted`, its request, sent already), streamed, behind
-        prefill's first token (first_token.py): the client is answered when prefill
-        answers, without waiting for decode at all, and gets decode's stream from its
-        second token on. The prefill leg has validated the client's parameters by
-        then, so a decode leg that fails later has failed on its own: each unfinished
-        choice continues from the tokens the client has, on another decode instance
-        if there is one."""
+        prefill's first token: the client is answered when prefill answers, without
+        waiting for decode at all, and gets decode's stream from its second token on.
+        The prefill leg has validated the client's parameters by then, so a decode
+        leg that fails later has failed on its own: each unfinished choice continues
+        from the tokens the client has, on another decode instance if there is one."""
         trace: Trace = request[TRACE]
-        chat = endpoint.endswith("/chat/completions")
+        unread: asyncio.Future | None = posted  # to close when the client has its answer
         try:
-            answer = await prefill_answer
-            opening = first_token.opening(answer, body, chat)
-            if opening is None:
+            edit = DecodeEdit.start(
+                await prefill_answer, body, endpoint.endswith("/chat/completions")
+            )
+            if edit is None:
                 self.metrics.inc("first_token_unusable")
-                return await self._relay(
-                    request, decode, endpoint, leg, headers, posted, first_token.as_asked(body)
+                return await self.stream(
+                    request, decode, endpoint, leg, posted, first_token.as_asked(body)
                 )
             if posted.done() and not posted.exception() and posted.result().status >= 400:
-                raise await self._refused(decode, leg, posted.result())  # still retryable
+                raise await self.refused(decode, leg, posted.result())  # still retryable
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await stream.prepare(request)
             request[ANSWERED] = True
-            for event in opening.events:
+            for event in edit.opening.events:
                 await stream.write(encode(event))
             trace.mark("first_byte")
-            usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
-            edit = first_token.DecodeEdit(
-                opening, chat, bool(body.get("return_token_ids")), usage_asked
-            )
             why = None
             if edit.unfinished():
                 why = await self._edited(stream, posted, decode, leg, body, edit, headers)
             else:
                 self._drain(posted)
-                posted = None
+                unread = None
             if why is not None:
                 await self._recover(stream, decode, body, edit, headers, why)
-            if edit.usage_asked:
-                await stream.write(encode(edit.usage()))
+            for event in edit.ending():
+                await stream.write(encode(event))
             await stream.write(b"data: [DONE]\n\n")
             await stream.write_eof()
             self.metrics.inc("requests", endpoint=endpoint, status="200")
             return stream
         finally:
             # Closing the decode leg's connection makes vLLM abort it, if it runs still.
-            if posted is not None:
-                posted.cancel()
-                if posted.done() and not posted.cancelled() and not posted.exception():
-                    posted.result().close()
+            if unread is not None:
+                unread.cancel()
+                if unread.done() and not unread.cancelled() and not unread.exception():
+                    unread.result().close()
 
     async def _edited(
-        self: Router,
+        self,
         stream: web.StreamResponse,
         posted: asyncio.Future,
         decode: Instance,
         leg: dict[str, Any],
         body: dict[str, Any],
-        edit: first_token.DecodeEdit,
+        edit: DecodeEdit,
         headers: dict[str, str],
     ) -> str | None:
         """Decode's events through `edit` to the client, diverged choices continued
@@ -119,33 +119,33 @@ class FirstTokenStreams:
         why = None
         try:
             response = await posted
-            if response.status >= 400:
-                why = (await self._refused(decode, leg, response)).message
-            else:
-                async for event in events(response.content):
-                    if "error" in event:
-                        self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                        failure = error_event(decode, event)
-                        why = (await self._kvpush_reason(decode, leg, failure)).message
-                        break
-                    out, diverged = edit.edit(event)
-                    for index in diverged:
+            if response.status >= 400:  # nothing sent yet, nothing continued
+                return (await self.refused(decode, leg, response)).message
+            async for event in events(response.content):
+                stop = None
+                for action in edit.feed(event):
+                    if isinstance(action, Send):
+                        await stream.write(encode(action.event))
+                    elif isinstance(action, Continue):
                         self.metrics.inc("first_token_divergences")
-                        continuations.append(
-                            asyncio.ensure_future(
-                                self._continue(stream, decode, body, edit, index, headers)
-                            )
-                        )
-                    if out is not None:
-                        await stream.write(encode(out))
-                    if diverged and not edit.unfinished():
-                        response.close()  # so decode stops generating what nobody reads
-                        break
+                        continuations.append(asyncio.ensure_future(
+                            self._continue(stream, decode, body, edit, action.index, headers)
+                        ))  # fmt: skip
+                    else:
+                        stop = action
+                if stop is not None and stop.error is not None:
+                    self.metrics.inc("leg_failures", leg="decode", why="error_event")
+                    failure = error_event(decode, stop.error)
+                    why = (await self.kvpush_reason(decode, leg, failure)).message
+                    break
+                if stop is not None:
+                    response.close()  # so decode stops generating what nobody reads
+                    break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
             self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
-            self._eject(decode)
+            self.eject(decode)
             why = f"decode instance {decode.url} failed: {describe(exc)}"
         try:
             await asyncio.gather(*continuations)
@@ -155,11 +155,11 @@ class FirstTokenStreams:
         return why if edit.unfinished() else None
 
     async def _recover(
-        self: Router,
+        self,
         stream: web.StreamResponse,
         failed: Instance,
         body: dict[str, Any],
-        edit: first_token.DecodeEdit,
+        edit: DecodeEdit,
         headers: dict[str, str],
         why: str,
     ) -> None:
@@ -173,11 +173,11 @@ class FirstTokenStreams:
         )
 
     async def _continue(
-        self: Router,
+        self,
         stream: web.StreamResponse,
         decode: Instance,
         body: dict[str, Any],
-        edit: first_token.DecodeEdit,
+        edit: DecodeEdit,
         index: int,
         headers: dict[str, str],
     ) -> None:
@@ -190,7 +190,7 @@ class FirstTokenStreams:
             )
             had = await edit.resume(index, text_of)
             leg = continuation_leg(body, state.first.prompt, had, edit.chat)
-            async with self._http().post(
+            async with self.http().post(
                 decode.url + "/v1/completions", json=leg, headers=headers
             ) as response:
                 if response.status >= 400:
@@ -208,7 +208,7 @@ class FirstTokenStreams:
             await stream.write(encode(openai_error(failure, "upstream_error", 502)))
 
     async def _detokenize(
-        self: Router,
+        self,
         decode: Instance,
         body: dict[str, Any],
         ids: list[int],
@@ -216,7 +216,7 @@ class FirstTokenStreams:
     ) -> str:
         """The text of token ids, as `decode`'s tokenizer reads them."""
         request = {"model": body.get("model"), "tokens": ids}
-        async with self._http().post(
+        async with self.http().post(
             decode.url + "/detokenize", json=request, headers=headers
         ) as response:
             text = (await response.read()).decode(errors="replace")
@@ -227,7 +227,7 @@ class FirstTokenStreams:
             except (ValueError, KeyError, TypeError) as exc:
                 raise LegFailed(502, f"{decode.url}/detokenize answered {text[:200]!r}") from exc
 
-    def _drain(self: Router, posted: asyncio.Future) -> None:
+    def _drain(self, posted: asyncio.Future) -> None:
         """Every choice ended at its first token, so the client needs nothing from
         decode; but its leg runs on, unread, to its end: an abort before decode
         claimed the KV would leave prefill holding it for its whole lease. Decode
@@ -241,6 +241,6 @@ class FirstTokenStreams:
                 pass
 
         task = asyncio.ensure_future(drain())
-        self._draining.add(task)
-        task.add_done_callback(self._draining.discard)
+        self.draining.add(task)
+        task.add_done_callback(self.draining.discard)
         self.metrics.inc("decode_legs_drained")

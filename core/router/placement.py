@@ -1,0 +1,84 @@
+"""Where a request runs: its decode instance, and for a disaggregated one the
+(prefill, decode) pair, scored jointly.
+
+A pair's cost is counted in prompt tokens:
+- compute on prefill: the tokens prefill must compute (the prompt less the prefix
+  prefill holds), weighed `compute`;
+- transfer to decode: the tokens decode must load (less the prefix it holds:
+  decode loads only what it lacks), weighed `transfer`;
+- the queue on each: its requests in flight, each as `queue_tokens` tokens.
+A request on decode alone costs the tokens decode must compute and decode's queue.
+The lowest cost wins; ties go round robin. A session's next turn shares its
+prefix, so the decode that holds it wins unless its queue outweighs the prefix.
+vLLM's router takes the least loaded instance when loads differ by more than a
+threshold; here the queue term does that, in the same units as the prefix saved.
+
+Pure: instances with their cached tokens and queues in, the choice out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Weights:
+    compute: float = 1.0  # a prompt token prefill computes
+    transfer: float = 0.25  # a prompt token decode loads (a write, not a compute)
+    queue_tokens: int = 512  # a request in flight, in prompt tokens
+
+    def __post_init__(self) -> None:
+        if min(self.compute, self.transfer, self.queue_tokens) < 0:
+            raise ConfigError(f"placement weights must be >= 0: {self}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An instance as scoring sees it."""
+
+    key: object  # what the caller picks (an Instance)
+    cached: int  # prompt tokens it holds
+    queue: int  # requests in flight there
+
+
+def alone_cost(w: Weights, prompt: int, decode: Candidate) -> float:
+    return w.compute * max(prompt - decode.cached, 0) + w.queue_tokens * decode.queue
+
+
+def pair_cost(w: Weights, prompt: int, prefill: Candidate, decode: Candidate) -> float:
+    computed = max(prompt - prefill.cached, 0)
+    loaded = max(prompt - decode.cached, 0)
+    queues = prefill.queue + decode.queue
+    return w.compute * computed + w.transfer * loaded + w.queue_tokens * queues
+
+
+def cheapest(costs: list[tuple[float, object]], turn: int) -> object:
+    """The key of the lowest cost; among equals the `turn`-th (round robin)."""
+    least = min(cost for cost, _ in costs)
+    tied = [key for cost, key in costs if cost == least]
+    return tied[turn % len(tied)]
+
+
+def place_alone(w: Weights, prompt: int, decodes: list[Candidate], turn: int) -> object:
+    return cheapest([(alone_cost(w, prompt, d), d.key) for d in decodes], turn)
+
+
+def place_pair(
+    w: Weights,
+    prompt: int,
+    prefills: list[Candidate],
+    decodes: list[Candidate],
+    pairs: object = None,
+    turn: int = 0,
+) -> tuple[object, object]:
+    """The cheapest (prefill key, decode key); `pairs(p, d)`: whether the two may
+    pair (where none may, every pair is scored and the caller refuses the pick)."""
+    costs = [
+        (pair_cost(w, prompt, p, d), (p.key, d.key))
+        for p in prefills
+        for d in decodes
+        if pairs is None or pairs(p.key, d.key)  # type: ignore[operator]
+    ] or [(pair_cost(w, prompt, p, d), (p.key, d.key)) for p in prefills for d in decodes]
+    return cheapest(costs, turn)  # type: ignore[return-value]

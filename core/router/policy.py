@@ -1,0 +1,71 @@
+"""The routing policy: the decision rule (decide.py), the placement and its weights
+(placement.py), as `kvpush router` takes them on its command line. No aiohttp here:
+the command line reads this before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.errors import ConfigError
+from kvpush.router.decide import RULES, DecisionRule
+from kvpush.router.placement import Weights
+
+PLACEMENTS = ("load", "prefix")
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    rule: DecisionRule = field(default_factory=DecisionRule)
+    placement: str = "load"  # "load": least loaded; "prefix": scored (placement.py)
+    weights: Weights = field(default_factory=Weights)
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {self.placement!r}; known: {list(PLACEMENTS)}")
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self.rule.needs_tokens or self.placement == "prefix"
+
+
+# The numbers `kvpush router` takes: flag, default, what it says.
+NUMBERS = (
+    ("--min-uncached-tokens", DecisionRule.min_uncached_tokens,
+     "auto: a prompt of which decode lacks fewer tokens runs on decode alone"),
+    ("--prefill-queue-gap", DecisionRule.prefill_queue_gap,
+     "auto: decode alone when the least busy prefill has N more requests in flight"),
+    ("--queue-tokens", Weights.queue_tokens,
+     "prefix placement: a request in flight weighs as N prompt tokens"),
+)  # fmt: skip
+
+
+def add_options(parser: Any) -> None:
+    """`kvpush router`'s options for the decision and placement."""
+    parser.add_argument(
+        "--disaggregate", choices=RULES, default=DecisionRule.rule,
+        help="which requests get a prefill leg: always; never (decode alone); auto: those "
+        "whose uncached prompt is long while decode is busy (docs/router.md)",
+    )  # fmt: skip
+    for flag, default, meaning in NUMBERS:
+        parser.add_argument(flag, type=int, default=default, metavar="N", help=meaning)
+    parser.add_argument(
+        "--no-alone-when-idle", dest="alone_when_idle", action="store_false",
+        help="auto: disaggregate a long prompt even when its decode has nothing in flight",
+    )  # fmt: skip
+    parser.add_argument(
+        "--placement", choices=PLACEMENTS, default="load",
+        help="load: least loaded instances; prefix: scored by the prefix each holds and "
+        "the queues (KV events where an instance names kv_events=, else the router's index)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--instances-file", metavar="PATH",
+        help="more instances, 'prefill SPEC' or 'decode SPEC' a line, read again each "
+        "health interval: new lines are added, removed ones drained",
+    )  # fmt: skip
+
+
+def policy_of(args: Any) -> RoutingPolicy:
+    rule = DecisionRule(args.disaggregate, args.min_uncached_tokens, args.alone_when_idle,
+                        args.prefill_queue_gap)  # fmt: skip
+    return RoutingPolicy(rule, args.placement, Weights(queue_tokens=args.queue_tokens))

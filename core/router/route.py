@@ -1,0 +1,155 @@
+"""One request's route: the prompt's tokens (asked of an instance once), whether
+it is disaggregated (decide.py), and where it runs (placement.py), from what the
+prefix index (prefix.py) says each instance holds and the queues the router sees.
+
+Without a rule that needs tokens and without prefix placement, nothing is asked:
+the least loaded instances are picked, as the pools pick them, and every request
+is disaggregated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvpush.metrics import Metrics
+from kvpush.router.decide import Decision, decide
+from kvpush.router.instances import Instance, Pool
+from kvpush.router.placement import Candidate, place_alone, place_pair
+from kvpush.router.policy import RoutingPolicy
+from kvpush.router.prefix import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+# Fields of a chat request that shape its prompt, as vLLM's /tokenize takes them.
+CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                      "add_special_tokens", "chat_template", "chat_template_kwargs",
+                      "tools", "documents")  # fmt: skip
+
+
+@dataclass
+class Route:
+    decode: Instance
+    prefill: Instance | None  # None: on decode alone
+    decision: Decision
+    tokens: list[int] | None
+    cached: int = 0  # prompt tokens the decode instance holds, as the index says
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the request's trace."""
+        return {"path": self.decision.path, "reason": self.decision.reason,
+                "decode": self.decode.url, "prefill": self.prefill and self.prefill.url,
+                "prompt_tokens": None if self.tokens is None else len(self.tokens),
+                "cached_on_decode": self.cached}  # fmt: skip
+
+
+class Planner:
+    def __init__(
+        self, policy: RoutingPolicy, prefill: Pool, decode: Pool, index: PrefixIndex,
+        metrics: Metrics,
+    ) -> None:  # fmt: skip
+        self.policy, self.prefill, self.decode = policy, prefill, decode
+        self.index, self.metrics = index, metrics
+
+    async def tokens(
+        self, http: aiohttp.ClientSession, endpoint: str, body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> list[int] | None:  # fmt: skip
+        """The prompt's token ids, from a decode instance's /tokenize (None where it
+        cannot be said: a batch of prompts, an instance that will not tell)."""
+        if not self.policy.needs_tokens:
+            return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if endpoint.endswith("/chat/completions"):
+            asked = {k: body[k] for k in CHAT_PROMPT_FIELDS if k in body}
+        elif isinstance(prompt, str):
+            asked = {"prompt": prompt}
+        else:
+            return None
+        # The least busy decode; not a pick, which would take a round-robin turn.
+        instance = min(self.decode.candidates(), key=lambda i: i.outstanding)
+        try:
+            async with http.post(
+                instance.url + "/tokenize", json={"model": body.get("model"), **asked},
+                headers=headers, timeout=aiohttp.ClientTimeout(total=10),
+            ) as response:  # fmt: skip
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.metrics.inc("tokenize_failures", instance=instance.url)
+            log.warning("kvpush router: %s/tokenize failed: %s", instance.url, exc)
+            return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list):
+            self.metrics.inc("tokenize_failures", instance=instance.url)
+            return None
+        return tokens
+
+    def plan(
+        self,
+        tokens: list[int] | None,
+        avoid: Instance | None,
+        pairs: Callable[[Instance, Instance], bool],
+    ) -> Route:
+        """Where a request goes; counted and logged with its reason."""
+        size = None if tokens is None else len(tokens)
+        if self.policy.placement == "prefix" and tokens is not None:
+            prefill, decode, decision = self._scored_route(tokens, avoid, pairs)
+        else:  # the least loaded pair, as the pools pick
+            prefill = self.prefill.pick(avoid=avoid)
+            decode = self.decode.pick(avoid=avoid, fits=lambda d: pairs(prefill, d))
+            decision = decide(self.policy.rule, size, self._cached(decode, tokens),
+                              decode.outstanding, prefill.outstanding)  # fmt: skip
+            prefill = prefill if decision.disaggregate else None
+        cached = self._cached(decode, tokens)
+        self.metrics.inc("router_decisions", path=decision.path, reason=decision.reason)
+        if tokens is not None:
+            self.metrics.inc("router_prompt_tokens", len(tokens))
+            self.metrics.inc("router_decode_cached_tokens", cached)
+        log.debug("kvpush router: %s (%s): decode %s, prefill %s", decision.path,
+                  decision.reason, decode.url, prefill and prefill.url)  # fmt: skip
+        return Route(decode, prefill, decision, tokens, cached)
+
+    def _scored_route(
+        self, tokens: list[int], avoid: Instance | None, pairs: Callable[[Instance, Instance], bool]
+    ) -> tuple[Instance | None, Instance, Decision]:
+        """Decode first, as if alone; the decision from what it holds; then, if
+        disaggregated, the pair scored jointly."""
+        w, size = self.policy.weights, len(tokens)
+        decodes = self._scored(self.decode.candidates(avoid=avoid), tokens)
+        prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens)
+        decode: Any = place_alone(w, size, decodes, self.decode.turn())
+        least_prefill = min(p.queue for p in prefills)
+        decision = decide(self.policy.rule, size, self._cached(decode, tokens),
+                          decode.outstanding, least_prefill)  # fmt: skip
+        if not decision.disaggregate:
+            return None, decode, decision
+        prefill, decode = place_pair(w, size, prefills, decodes, pairs,
+                                               self.prefill.turn())  # fmt: skip
+        return prefill, decode, decision  # type: ignore[return-value]
+
+    def sent(self, route: Route) -> None:
+        """A route was taken: the index learns what its instances now hold."""
+        if route.tokens is None:
+            return
+        for instance in (route.decode, route.prefill):
+            if instance is not None:
+                self.index.sent(instance.url, route.tokens, _block_size(instance))
+
+    def _cached(self, instance: Instance, tokens: list[int] | None) -> int:
+        if tokens is None:
+            return 0
+        return self.index.cached_tokens(instance.url, tokens, _block_size(instance))
+
+    def _scored(self, instances: list[Instance], tokens: list[int]) -> list[Candidate]:
+        return [Candidate(i, self._cached(i, tokens), i.outstanding) for i in instances]
+
+
+def _block_size(instance: Instance) -> int:
+    identity = instance.any_identity()
+    return identity.block_size if identity is not None else 0

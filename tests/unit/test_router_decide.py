@@ -1,0 +1,219 @@
+"""The router's per-request decision, its placement scores, and its prefix index
+(fed by the router's own record or by vLLM's KV-cache events, encoded here by
+vLLM's own classes where vLLM is installed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from kvpush.errors import ConfigError
+from kvpush.metrics import Metrics
+from kvpush.router.decide import DecisionRule, decide
+from kvpush.router.instances import Instance, Pool
+from kvpush.router.kv_events import Subscription, apply
+from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
+from kvpush.router.policy import RoutingPolicy
+from kvpush.router.prefix import Blocks, PrefixIndex, chain
+from kvpush.router.route import Planner
+
+AUTO = DecisionRule("auto", min_uncached_tokens=2048, alone_when_idle=True, prefill_queue_gap=4)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "decode_queue", "prefill_queue", "path", "reason"),
+    [
+        (300, 0, 3, 0, "decode_alone", "short"),
+        (5000, 4096, 3, 0, "decode_alone", "cached_on_decode"),
+        (5000, 0, 0, 0, "decode_alone", "decode_idle"),
+        (5000, 0, 1, 5, "decode_alone", "prefill_busier"),
+        (5000, 0, 1, 4, "disaggregated", "long_uncached"),
+        (5000, 2952, 2, 0, "disaggregated", "long_uncached"),  # 2,048 uncached: not under
+        (None, 0, 0, 0, "disaggregated", "untokenized"),
+    ],
+)
+def test_auto_runs_on_decode_alone_unless_a_long_uncached_prompt_meets_a_busy_decode(
+    prompt, cached, decode_queue, prefill_queue, path, reason
+):
+    decision = decide(AUTO, prompt, cached, decode_queue, prefill_queue)
+    assert (decision.path, decision.reason) == (path, reason)
+
+
+def test_always_and_never_ignore_the_numbers_and_idle_can_be_turned_off():
+    assert decide(DecisionRule("always"), 10, 0, 0, 0).reason == "rule_always"
+    assert decide(DecisionRule("never"), 10**6, 0, 9, 0).path == "decode_alone"
+    busy_or_not = DecisionRule("auto", alone_when_idle=False)
+    assert decide(busy_or_not, 5000, 0, 0, 0).path == "disaggregated"
+    assert decide(DecisionRule("auto", min_uncached_tokens=0), 1, 0, 1, 0).disaggregate
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"rule": "sometimes"}, "sometimes"),
+        ({"min_uncached_tokens": -1}, "-1"),
+        ({"prefill_queue_gap": 0}, "prefill_queue_gap"),
+    ],
+)
+def test_a_bad_rule_is_refused_naming_what_is_wrong(fields, named):
+    with pytest.raises(ConfigError, match=named):
+        DecisionRule(**fields)
+
+
+def test_a_pair_is_scored_on_compute_saved_transfer_saved_and_both_queues():
+    w = Weights(compute=1.0, transfer=0.25, queue_tokens=512)
+    fresh, warm = Candidate("p0", 0, 0), Candidate("p1", 1024, 0)
+    cold_d, warm_d = Candidate("d0", 0, 0), Candidate("d1", 1024, 0)
+    assert pair_cost(w, 2048, fresh, cold_d) == 2048 + 512
+    assert pair_cost(w, 2048, warm, warm_d) == 1024 + 256
+    # Prefill's prefix saves compute, decode's saves transfer: the pair holding both wins.
+    assert place_pair(w, 2048, [fresh, warm], [cold_d, warm_d]) == ("p1", "d1")
+    # A queue outweighs a prefix once its requests weigh more than the prefix saves.
+    busy_warm = Candidate("p1", 1024, 3)
+    assert place_pair(w, 2048, [fresh, busy_warm], [warm_d]) == ("p0", "d1")
+    # Pairs that cannot exchange KV are not scored while another can.
+    assert place_pair(w, 2048, [fresh, warm], [cold_d, warm_d],
+                      pairs=lambda p, d: d != "d1") == ("p1", "d0")  # fmt: skip
+
+
+def test_a_session_goes_where_its_prefix_is_unless_that_decode_is_much_busier():
+    w = Weights(queue_tokens=512)
+    holds, other = Candidate("d0", 3000, 1), Candidate("d1", 0, 0)
+    assert place_alone(w, 3200, [holds, other], turn=0) == "d0"
+    assert place_alone(w, 3200, [Candidate("d0", 3000, 8), other], turn=0) == "d1"
+    ties = {place_alone(w, 100, [Candidate("a", 0, 0), Candidate("b", 0, 0)], t) for t in (0, 1)}
+    assert ties == {"a", "b"}  # equals go round robin
+
+
+def test_the_index_finds_the_longest_leading_run_of_blocks_an_instance_holds():
+    index = PrefixIndex()
+    first = list(range(100))
+    index.sent("d0", first, block_size=16)
+    assert index.cached_tokens("d0", first, 16) == 96  # six whole blocks
+    turn = first + [7] * 40  # the next turn: the same start, more after
+    assert index.cached_tokens("d0", turn, 16) == 96
+    assert index.cached_tokens("d1", turn, 16) == 0
+    other = [1] + first[1:]  # one token differs at the start: nothing matches
+    assert index.cached_tokens("d0", other, 16) == 0
+    index.forget("d0")
+    assert index.cached_tokens("d0", first, 16) == 0
+
+
+def test_the_index_forgets_the_least_recently_used_blocks_first():
+    blocks = Blocks(block_size=4, capacity=3)
+    a, b = [1, 2, 3, 4] * 3, [9, 9, 9, 9] * 3
+    blocks.add(chain(a, 4))
+    assert blocks.cached_tokens(a) == 12
+    blocks.add(chain(b, 4))
+    assert blocks.cached_tokens(a) == 0 and blocks.cached_tokens(b) == 12
+
+
+def _batch(*events):
+    """A KVEventBatch as vLLM's publisher encodes it (and this module decodes it)."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    payload = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=1.0, events=list(events)))
+    return msgspec.msgpack.decode(payload)
+
+
+def test_vllms_kv_events_say_what_an_instance_holds():
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    stored = kv_events.BlockStored(
+        block_hashes=[b"h1", b"h2"], parent_block_hash=None, token_ids=list(range(32)),
+        block_size=16, lora_id=None, medium="GPU", lora_name=None,
+    )  # fmt: skip
+    more = kv_events.BlockStored(
+        block_hashes=[b"h3"], parent_block_hash=b"h2", token_ids=list(range(32, 48)),
+        block_size=16, lora_id=None, medium="GPU", lora_name=None,
+    )  # fmt: skip
+    blocks = Blocks()
+    assert apply(blocks, _batch(stored, more)) == 2
+    assert blocks.cached_tokens(list(range(60))) == 48
+    assert not PrefixIndex().of("x").from_events and blocks.from_events
+    apply(blocks, _batch(kv_events.BlockRemoved(block_hashes=[b"h2"], medium="GPU")))
+    assert blocks.cached_tokens(list(range(60))) == 16  # the run stops at the hole
+    apply(blocks, _batch(kv_events.AllBlocksCleared()))
+    assert blocks.cached_tokens(list(range(60))) == 0
+
+
+def test_events_of_a_parent_never_heard_of_or_another_group_name_nothing():
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    orphan = kv_events.BlockStored(
+        block_hashes=[b"h9"], parent_block_hash=b"missed", token_ids=list(range(16)),
+        block_size=16, lora_id=None, medium="GPU", lora_name=None,
+    )  # fmt: skip
+    other_group = kv_events.BlockStored(
+        block_hashes=[b"g1"], parent_block_hash=None, token_ids=list(range(16)),
+        block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=1,
+    )  # fmt: skip
+    blocks = Blocks()
+    apply(blocks, _batch(orphan, other_group))
+    assert blocks.cached_tokens(list(range(16))) == 0
+    assert apply(blocks, "not a batch") == 0
+
+
+def test_load_placement_alternates_equal_decodes_and_decides_on_the_one_it_picked():
+    prefill = Pool([Instance("http://p:1", "prefill")])
+    decode = Pool([Instance("http://d:1", "decode"), Instance("http://d:2", "decode")])
+    index, metrics = PrefixIndex(), Metrics()
+    planner = Planner(RoutingPolicy(AUTO, "load"), prefill, decode, index, metrics)
+    index.sent("http://d:2", LONG_PROMPT)
+    routes = [planner.plan(LONG_PROMPT, None, lambda p, d: True) for _ in range(4)]
+    assert [r.decode.url for r in routes] == ["http://d:1", "http://d:2"] * 2
+    assert [r.decision.reason for r in routes] == ["decode_idle", "cached_on_decode"] * 2
+    decode.instances[1].draining = True
+    assert {planner.plan(LONG_PROMPT, None, lambda p, d: True).decode.url for _ in range(3)} == {
+        "http://d:1"
+    }
+    assert metrics.counter("router_decisions", path="decode_alone", reason="decode_idle") == 5
+
+
+LONG_PROMPT = list(range(3000))
+
+
+def test_a_subscription_reads_vllms_wire_format_and_starts_over_after_a_gap():
+    """Over a real ZMQ PUB socket, frames as vLLM's ZmqEventPublisher sends them:
+    topic, sequence number (8 bytes, big-endian), msgpack batch."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    zmq = pytest.importorskip("zmq")
+
+    def stored(hashes, parent, first):
+        return kv_events.BlockStored(
+            block_hashes=hashes, parent_block_hash=parent,
+            token_ids=list(range(first, first + 16 * len(hashes))), block_size=16,
+            lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+
+    async def scenario():
+        publisher = zmq.Context.instance().socket(zmq.PUB)
+        port = publisher.bind_to_random_port("tcp://127.0.0.1")
+        blocks, metrics = Blocks(), Metrics()
+        subscription = Subscription(f"tcp://127.0.0.1:{port}", "d", blocks, metrics)
+        subscription.start()
+        encode = msgspec.msgpack.Encoder().encode
+
+        async def send(seq, *events):
+            batch = encode(kv_events.KVEventBatch(ts=1.0, events=list(events)))
+            publisher.send_multipart((b"", seq.to_bytes(8, "big"), batch))
+
+        # A slow joiner misses the first messages: send until the stored block is seen.
+        for _ in range(100):
+            await send(0, stored([b"a", b"b"], None, 0))
+            await asyncio.sleep(0.05)
+            if blocks.cached_tokens(list(range(40))) == 32:
+                break
+        assert blocks.cached_tokens(list(range(40))) == 32
+        assert metrics.counter("kv_events", instance="d") >= 1
+        gaps = metrics.counter("kv_events_gaps", instance="d")
+        await send(7, stored([b"c"], None, 100))  # 1 expected: events were lost
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if metrics.counter("kv_events_gaps", instance="d") > gaps:
+                break
+        assert blocks.cached_tokens(list(range(40))) == 0  # the old blocks: forgotten
+        assert blocks.cached_tokens(list(range(100, 120))) == 16
+        await subscription.close()
+        publisher.close(linger=0)
+
+    asyncio.run(scenario())
