@@ -70,7 +70,7 @@ class AcrossResult:
 
 
 def main(sizes_mib: tuple[float, ...], runs: int, link_rate: int | None, as_json: bool) -> int:
-    _refuse_unless_able()
+    refuse_unless_able()
     progress = Progress("kvpush bench transfer --across-namespaces", "size", len(sizes_mib))
     report = Report(as_json, progress)
     hosts = TwoHosts()
@@ -80,15 +80,15 @@ def main(sizes_mib: tuple[float, ...], runs: int, link_rate: int | None, as_json
             hosts.cap_link(link_rate)
         for size in sizes_mib:
             report.step(f"{size:g} MiB across the link")
-            report.add(_measure(hosts, int(size * MiB), runs, _rate_name(link_rate)))
+            report.add(_measure(hosts, int(size * MiB), runs, rate_name(link_rate)))
         results = report.finish(_print_table)
     finally:
-        _close_uninterrupted(hosts)
+        close_uninterrupted(hosts)
     whole = all(r.verified and r.link_bytes >= r.moved_bytes for r in results)
     return 0 if whole else 1
 
 
-def _refuse_unless_able() -> None:
+def refuse_unless_able() -> None:
     if os.geteuid() != 0:
         raise KVPushError(
             "--across-namespaces needs root: it creates two network namespaces and a veth "
@@ -99,7 +99,7 @@ def _refuse_unless_able() -> None:
         raise KVPushError(f"--across-namespaces cannot run here: {reason}")
 
 
-def _rate_name(bits: int | None) -> str:
+def rate_name(bits: int | None) -> str:
     if not bits:
         return "veth"
     for unit, scale in (("Gbit", 10**9), ("Mbit", 10**6), ("kbit", 10**3)):
@@ -108,7 +108,7 @@ def _rate_name(bits: int | None) -> str:
     return f"{bits} bit/s"
 
 
-def _close_uninterrupted(hosts: TwoHosts) -> None:
+def close_uninterrupted(hosts: TwoHosts) -> None:
     """Remove what was made; a second Ctrl-C must not leave half of it behind."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
