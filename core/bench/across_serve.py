@@ -272,6 +272,7 @@ def t2t_plot(cells: list[Cell], links: tuple[Link, ...], out: Path) -> list[Path
         axis.set_xticks(range(len(names)), [n[5:] for n in names])
         axis.set_xlabel("prefill-decode link")
         axis.set_ylabel("T2T p50 (ms)")
+        axis.set_yscale("log")  # upstream's can be tens of times the others'
         axis.set_title(f"{length}-token prompts, {rate:g}/s, UCX on TCP")
         axis.legend()
     path = out / "t2t-by-link.png"

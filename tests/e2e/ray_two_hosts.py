@@ -70,11 +70,11 @@ def orchestrate(mode: str, prompts: int) -> int:
         hosts.start()
         env = ray_env(temp)
         for host, resource, head in ((hosts.a, "host_a", True), (hosts.b, "host_b", False)):
-            join = ["--head", f"--port={GCS_PORT}"] if head else [
+            join = ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"] if head else [
                 f"--address={hosts.a.address}:{GCS_PORT}"]  # fmt: skip
             started = hosts.popen(host, [
-                RAY, "start", *join, f"--node-ip-address={host.address}", "--num-cpus=3",
-                f"--resources={json.dumps({resource: 10})}", "--include-dashboard=false",
+                RAY, "start", *join, f"--node-ip-address={host.address}", "--num-cpus=6",
+                f"--resources={json.dumps({resource: 10})}",
                 f"--temp-dir={temp}/{resource}", "--disable-usage-stats",
             ], env=env)  # fmt: skip
             if started.wait(180) != 0:
@@ -156,7 +156,8 @@ def drive(a: str, b: str, devices: str, mode: str, prompts: int) -> int:
     nodes = {n["NodeManagerAddress"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     print(f"Ray nodes: {json.dumps(nodes, sort_keys=True)}")
     kvpush.ray_serve.register()
-    serve.start(http_options={"host": a, "port": SERVE_PORT})
+    # One HTTP proxy, on the head: one on b could not bind a's address.
+    serve.start(http_options={"host": a, "port": SERVE_PORT, "location": "HeadOnly"})
     model = cached_tiny_model()
     config = {
         "prefill_config": llm_config(model, "prefill", mode, device_a),
