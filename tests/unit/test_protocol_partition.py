@@ -21,8 +21,7 @@ E2E = ProtocolConfig(
 
 
 def cut(sim: Sim, seconds: float) -> None:
-    """`seconds` pass with the link cut: timers fire on both sides, nothing arrives;
-    then it heals: what was sent arrives, and then a close the producer made."""
+    """`seconds` pass with the link cut: timers fire on both sides, nothing arrives."""
     sim.partitioned = True  # a close the producer makes meanwhile cannot reach decode
     target = sim.now + seconds
     while sim.now < target:
@@ -30,6 +29,18 @@ def cut(sim: Sim, seconds: float) -> None:
         sim._run_producer(sim.producer.tick(sim.now))
         for side in sim.consumers.values():
             sim._run_consumer(side, side.machine.tick(sim.now))
+
+
+def registered() -> Sim:
+    """A pair with the e2e timers whose consumer has registered its blocks for t1."""
+    sim = Sim(config=E2E)
+    sim.expect("t1")
+    sim.deliver()
+    return sim
+
+
+def heal(sim: Sim) -> None:
+    """The link is back: what was sent arrives, and then a close the producer made."""
     sim.partitioned = False
     sim.deliver()
     if sim.c.name in sim.disconnected:
@@ -48,6 +59,7 @@ def test_a_cut_longer_than_the_watchdog_fails_as_the_watchdog_when_it_heals():
     sim.ready("t1")
     sim.expect("t1")  # the Register is sent into the cut
     cut(sim, 12.0)
+    heal(sim)
     assert sim.released == {"t1": "lease_expired"}  # prefill let its KV go meanwhile
     sim.advance(sim.config.write_grace_s + sim.config.heartbeat_s + 2)
     assert sim.c.failed == {"t1": "watchdog_expired"}
@@ -62,14 +74,8 @@ def test_a_cut_longer_than_the_watchdog_fails_as_the_watchdog_when_it_heals():
     "stay held that long, but its failure need not wait",
 )
 def test_a_cut_longer_than_the_watchdog_fails_the_request_at_the_watchdog():
-    sim = Sim(config=E2E)
-    sim.expect("t1")
-    sim.deliver()  # registered; prefill is still computing when the link goes
-    sim.partitioned = True
-    for _ in range(int((E2E.watchdog_s + 1) / 0.5)):  # the cut, not yet healed
-        sim.now += 0.5
-        sim._run_producer(sim.producer.tick(sim.now))
-        sim._run_consumer(sim.c, sim.c.machine.tick(sim.now))
+    sim = registered()  # prefill is still computing when the link goes
+    cut(sim, E2E.watchdog_s + 1)  # not yet healed
     # The producer may still WRITE into the blocks: held, but the request is over.
     assert sim.c.ledger.holds("t1", sim.c.expected["t1"])
     assert sim.c.failed == {"t1": "watchdog_expired"}
@@ -82,9 +88,7 @@ def test_a_cut_longer_than_the_watchdog_fails_the_request_at_the_watchdog():
     "consumer's registration still hold the blocks",
 )
 def test_a_write_failed_by_a_short_cut_is_written_again_once_the_link_is_back():
-    sim = Sim(config=E2E)
-    sim.expect("t1")
-    sim.deliver()
+    sim = registered()
     sim.ready("t1")
     assert "t1" in sim.writes
     sim.finish_writes(ok=False)  # UCX fails a WRITE whose route went
