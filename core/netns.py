@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -47,6 +48,14 @@ class Host:
     def command(self, argv: Sequence[str]) -> list[str]:
         """`argv` run inside this host's namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def sent_bytes(self) -> int:
+        """Bytes this host has sent on its end of the host-to-host link."""
+        shown = subprocess.run(
+            ["ip", "-j", "-s", "-n", self.namespace, "link", "show", "dev", self.device],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"]
 
 
 def unavailable() -> str | None:
@@ -99,15 +108,20 @@ class TwoHosts:
                 self._link_to_root(host, index)
         return self
 
-    def cap_link(self, rate_bits: int) -> None:
+    def cap_link(self, rate_bits: int | None) -> None:
         """Hold the host-to-host link to `rate_bits` a second each way (tc's `tbf`; this
-        kernel has no `netem`)."""
+        kernel has no `netem`), in place of any cap before; None: uncapped."""
         # A bucket of 10 ms at the rate, at least one 64 KiB GSO packet: a packet larger
         # than the bucket would never be sent.
-        burst = max(rate_bits // 8 // 100, 64 * 1024)
         for host in (self.a, self.b):
+            qdisc = ["tc", "-n", host.namespace, "qdisc"]
+            if rate_bits is None:
+                # No cap to remove is no error: the link is as asked.
+                subprocess.run([*qdisc, "del", "dev", host.device, "root"], capture_output=True)
+                continue
+            burst = max(rate_bits // 8 // 100, 64 * 1024)
             _ip_tool(
-                "tc", "-n", host.namespace, "qdisc", "add", "dev", host.device, "root", "tbf",
+                *qdisc, "replace", "dev", host.device, "root", "tbf",
                 "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "50ms",
             )  # fmt: skip
 

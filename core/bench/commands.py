@@ -191,6 +191,19 @@ def _serve(benches: Any) -> None:
         help="extra `kvpush router` arguments for push and pull, e.g. '--disaggregate auto'",
     )  # fmt: skip
     p.add_argument("--out", help="output directory (default: kvpush-bench-serve-<time>)")
+    p.add_argument(
+        "--across-namespaces",
+        action="store_true",
+        help="as root: prefill and decode in two network namespaces joined by a veth link, "
+        "UCX on TCP, the KV-heavy tiny model unless --model; placements are link rates",
+    )
+    p.add_argument(
+        "--link-rate",
+        type=a.listing(a.bit_rate),
+        metavar="RATES",
+        help="with --across-namespaces: the link's tbf caps in turn, e.g. 300mbit,1gbit "
+        "(default: uncapped)",
+    )
     p.set_defaults(run=_run_serve)
 
 
@@ -230,6 +243,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         workload=args.workload,
         router_args=tuple(arg for chunk in args.router_args for arg in chunk.split()),
     )
+    if args.link_rate and not args.across_namespaces:
+        raise KVPushError("--link-rate caps the link --across-namespaces makes: give both")
+    if args.across_namespaces:
+        from kvpush.bench import across_serve
+
+        rates = tuple(args.link_rate or (None,))
+        return across_serve.main(settings, rates, _out(args.out, "serve"), args.json)
     return serve.main(settings, _out(args.out, "serve"), args.json)
 
 

@@ -398,13 +398,13 @@ class Bench:
         return self.report.results
 
     def _configuration(self, config: str, workdir: Path, model: Path) -> list[Cell]:
-        deployment = Deployment(config, self.settings, workdir, model)
+        deployment = self._deployment(config, workdir, model)
         cells: list[Cell] = []
         try:
             self.report.step(f"{config}: starting")
             target = deployment.start()
             broken = self._warm_up(target)
-            for placement in self.settings.placements:
+            for placement in self._placements():
                 if broken:
                     cells += self._unserved(config, placement, broken)
                     continue
@@ -416,6 +416,7 @@ class Bench:
                         )
                         continue
                     deployment.pin()
+                self._enter(placement)
                 idle = self._idle_cpu(deployment)
                 for length in self.settings.lengths:
                     for rate in self.settings.rates:
@@ -426,6 +427,17 @@ class Bench:
         finally:
             deployment.stop()
         return cells
+
+    # Where a variant (bench/across_serve.py) runs the configurations instead:
+
+    def _deployment(self, config: str, workdir: Path, model: Path) -> Deployment:
+        return Deployment(config, self.settings, workdir, model)
+
+    def _placements(self) -> tuple[str, ...]:
+        return self.settings.placements
+
+    def _enter(self, placement: str) -> None:
+        """Set the machine up for `placement`'s cells (pinning is the deployment's)."""
 
     def _warm_up(self, target: load.Target) -> str:
         """First requests pay for connections and caches: not part of any cell. Why
@@ -469,7 +481,8 @@ class Bench:
         s = self.settings
         # Fresh prompts per placement (a prefix cache must not serve the second one),
         # the same across configurations (so answers compare).
-        seed = s.seed + PLACEMENTS.index(placement) * 1_000_003 + length * 101 + int(rate * 1000)
+        number = (*PLACEMENTS, *self._placements()).index(placement)
+        seed = s.seed + number * 1_000_003 + length * 101 + int(rate * 1000)
         if s.workload == "chat":
             batch, send_at = chat.batch(s.requests, rate, seed, length)
         else:

@@ -245,8 +245,10 @@ class Writer:
         self.side.loop.stop()
 
 
-def open_writer(shape: Shape, host: str, port: int) -> Writer:
-    """Pair with the receiver at host:port and prepare both sides' descriptors."""
+def open_writer(shape: Shape, host: str, port: int, nap_s: float = 0.0) -> Writer:
+    """Pair with the receiver at host:port and prepare both sides' descriptors.
+
+    `nap_s`: the sender sleeps this long between completion checks; 0 spins."""
     shard = Shard(0, shape.sender_tp, HEADS)
     side = _Side("bench-sender", shape.array(0xAB, shape.sender_heads), shard)
     sock = connect(host, port, timeout=10)
@@ -266,7 +268,8 @@ def open_writer(shape: Shape, host: str, port: int) -> Writer:
     nbytes = len(blocks) * shape.layers * shape.block_bytes
 
     def one_write(tag: int) -> tuple[float, float, float]:
-        # The sender waits in a tight loop: this measures the wire, not kvpush's poller.
+        # The sender checks at once, again and again (or every `nap_s`): this measures
+        # the wire, not kvpush's poller.
         agent = side.agent
         t0 = time.perf_counter()
         transfer = agent.make_transfer(
@@ -276,6 +279,8 @@ def open_writer(shape: Shape, host: str, port: int) -> Writer:
         finished = agent.start(transfer)
         t2 = time.perf_counter()
         while not finished:
+            if nap_s:
+                time.sleep(nap_s)
             finished = agent.done(transfer)
         t3 = time.perf_counter()
         agent.release(transfer)

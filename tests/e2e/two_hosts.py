@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import json
 import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,6 +18,7 @@ from conftest import DECODE_TIMERS, PREFILL_TIMERS, Client, prompt
 
 from kvpush.demo.cluster import Cluster
 from kvpush.demo.tinymodel import SHAPE, kv_bytes_per_token
+from kvpush.transport.ucx_report import peer_lanes
 
 UCX_TLS = os.environ.get("KVPUSH_TWO_HOSTS_UCX_TLS", "tcp,self")
 # UCX prints the protocols it chose for each endpoint, with their transports.
@@ -115,37 +113,6 @@ class TwoHostPair:
 # -- what every test checks -----------------------------------------------------------
 
 
-def link_sent_bytes(host: netns.Host) -> int:
-    """Bytes `host` has sent on its end of the host-to-host link."""
-    shown = subprocess.run(
-        ["ip", "-j", "-s", "-n", host.namespace, "link", "show", "dev", host.device],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"]
-
-
-TABLE_TITLE = re.compile(r"\s(\S+) cfg#\d+\s*\|")  # "| kvpush-1f2e- inter-node cfg#1 |"
-TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([\w.:-]+)")  # "tcp/eth0", "cma/memory"
-
-
-def ucx_peer_lanes(log: str) -> set[str]:
-    """The transports UCX reported (UCX_PROTO_INFO) for remote memory writes and reads
-    to another process: its tables for "intra-node" and "inter-node" endpoints, not
-    for this process's own ("self")."""
-    lanes: set[str] = set()
-    scope, rma = "", False
-    for line in log.splitlines():
-        if (title := TABLE_TITLE.search(line)) is not None:
-            scope, rma = title.group(1), False
-        elif "remote memory write" in line or "remote memory read" in line:
-            rma = True
-        elif "active message" in line:
-            rma = False
-        elif scope and scope != "self" and rma and line.rstrip().endswith("|"):
-            lanes |= {m.group(0) for m in TRANSPORT.finditer(line.rsplit("|", 2)[-2])}
-    return lanes
-
-
 def decode_sources(client: Client, url: str) -> dict[str, float]:
     """Decode's prompt tokens by where their KV came from."""
     totals = dict.fromkeys(SOURCES, 0.0)
@@ -163,7 +130,7 @@ def across_the_link(client: Client, pair: TwoHostPair, prompts: list[list[int]])
     that neither side holds anything afterwards."""
     decode = pair.url("decode")
     delivered = client.metric(decode, "vllm:kvpush_delivered_total")
-    sources, sent = decode_sources(client, decode), link_sent_bytes(pair.hosts.a)
+    sources, sent = decode_sources(client, decode), pair.hosts.a.sent_bytes()
     yield
     deadline = time.monotonic() + 10  # decode's counters ride on its engine's steps
     while client.metric(decode, "vllm:kvpush_delivered_total") < delivered + len(prompts):
@@ -180,7 +147,7 @@ def across_the_link(client: Client, pair: TwoHostPair, prompts: list[list[int]])
         assert state == {"sending": 0, "producing": 0, "receiving": 0}, (side, state)
     # Every prompt token's KV but the last, which decode computes again, must cross.
     least = sum(len(p) - 1 for p in prompts) * KV_BYTES_PER_TOKEN
-    crossed = link_sent_bytes(pair.hosts.a) - sent
+    crossed = pair.hosts.a.sent_bytes() - sent
     wrong = off_the_tcp_lane(pair)
     if crossed < least:
         wrong.append(f"prefill's host sent {crossed} bytes on the link, less than the KV's {least}")
@@ -193,7 +160,7 @@ def off_the_tcp_lane(pair: TwoHostPair) -> list[str]:
     reported, wrong = 0, []
     for side, host in (("prefill", pair.hosts.a), ("decode", pair.hosts.b)):
         log = pair.cluster.servers[getattr(pair, side)].log_path.read_text(errors="replace")
-        lanes = ucx_peer_lanes(log)
+        lanes = peer_lanes(log)
         reported += len(lanes)
         if lanes - {f"tcp/{host.device}"}:
             wrong.append(f"UCX on {side} reports {sorted(lanes)}, not tcp/{host.device} alone")

@@ -6,8 +6,6 @@ advertises by default, a transfer across, and a loopback address refused.
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
 import time
 
 import pytest
@@ -35,15 +33,6 @@ def _one(peer: RemotePeer, seconds: float = 20.0) -> dict:
     outcomes = peer.call("results", count=1, seconds=seconds, timeout=seconds + 30)["outcomes"]
     assert outcomes, "no outcome arrived"
     return outcomes[0]
-
-
-def _sent_bytes(host) -> int:
-    """Bytes `host` has sent on its end of the link."""
-    shown = subprocess.run(
-        ["ip", "-j", "-s", "-n", host.namespace, "link", "show", "dev", host.device],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"]
 
 
 @pytest.fixture
@@ -92,7 +81,7 @@ def test_each_host_advertises_its_own_address_and_the_kv_crosses_the_link(two_ho
     consumer_hello = _init(consumer, "consumer", "decode", host=None)
     assert hello["address"].rpartition(":")[0] == prefill.address
     assert hello["network"] != consumer_hello["network"], "two namespaces, two loopbacks"
-    before = _sent_bytes(prefill)
+    before = prefill.sent_bytes()
     consumer.call("expect", tid="t1", producer=hello["address"], blocks=BLOCKS,
                   network=hello["network"])  # fmt: skip
     producer.call("kv_ready", tid="t1", blocks=BLOCKS, value=0x5A)
@@ -101,7 +90,7 @@ def test_each_host_advertises_its_own_address_and_the_kv_crosses_the_link(two_ho
     values = consumer.call("values")["values"]
     assert all(values[layer][block] == [0x5A] for layer in range(LAYERS) for block in BLOCKS)
     kv_bytes = LAYERS * len(BLOCKS) * BLOCK_BYTES
-    assert _sent_bytes(prefill) - before >= kv_bytes, "the KV did not cross the link"
+    assert prefill.sent_bytes() - before >= kv_bytes, "the KV did not cross the link"
 
 
 def test_a_host_forced_to_advertise_loopback_is_refused_with_the_reason(two_hosts, spawn):

@@ -32,7 +32,7 @@ def test_a_link_rate_needs_the_link(capsys):
 )
 def test_a_rate_is_read_as_tc_writes_it(text, bits):
     assert arguments.bit_rate(text) == bits
-    assert across._rate_name(bits).endswith("bit/s")
+    assert across.rate_name(bits).endswith("bit/s")
 
 
 @pytest.mark.parametrize("text", ["300", "1gbps", "-1mbit", "xmbit", "nanmbit", "0gbit"])

@@ -59,8 +59,36 @@ def test_pending_poller_is_polled_fast_until_done(loop):
     start = time.monotonic()
     loop.call(loop.add_poller, poller)
     assert poller.reached.wait(5)
-    # Backing off to 1 ms caps 200 polls at well under a second; the idle tick would take 10 s.
+    # Backing off to 0.2 ms caps 200 polls at well under a second; the idle tick would take 10 s.
     assert time.monotonic() - start < 2.0
+
+
+class TimedPoller:
+    """Busy, never progressing: a WRITE whose bytes are still crossing a TCP link."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.times: list[float] = []
+        self.done = threading.Event()
+
+    def busy(self) -> bool:
+        return len(self.times) < self.rounds
+
+    def poll(self) -> bool:
+        self.times.append(time.perf_counter())
+        if len(self.times) >= self.rounds:
+            self.done.set()
+        return False
+
+
+def test_busy_poller_without_progress_is_polled_well_under_a_millisecond_apart(loop):
+    # Over UCX's TCP lane a WRITE's target reads its socket only when polled: polls
+    # 1 ms apart held a WRITE to 0.75 of the link's TCP rate.
+    poller = TimedPoller(rounds=400)
+    loop.call(loop.add_poller, poller)
+    assert poller.done.wait(10)
+    gaps = sorted(b - a for a, b in zip(poller.times[100:], poller.times[101:], strict=False))
+    assert gaps[len(gaps) // 2] < 0.6e-3
 
 
 def test_timers_fire_in_order_and_cancel(loop):
