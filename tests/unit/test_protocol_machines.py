@@ -16,6 +16,7 @@ from kvpush.protocol import consumer as consumer_machine
 from kvpush.protocol import producer as producer_machine
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import TRANSITIONS, Consumer, Source, State
+from kvpush.protocol.consumer import moves as consumer_moves
 from kvpush.protocol.handshake import pairing_problem
 from kvpush.protocol.messages import (
     Cancel,
@@ -1031,6 +1032,7 @@ def test_the_state_tables_in_the_docs_are_the_codes(machine):
 
 
 EVENT_TABLES = {
+    "consumer-events": consumer_moves.EVENTS,
     "producer-source-events": producer_moves.SOURCE,
     "producer-push-events": producer_moves.PUSH,
     "producer-pull-events": producer_moves.PULL,

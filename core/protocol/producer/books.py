@@ -2,16 +2,16 @@
 
 A source ends once (Producer.end): its blocks go back, and a tombstone answers the
 claims and engine reports that come after. What the books remember beyond the
-sources is in bounded memories (kvpush.protocol.producer.memory).
+sources is in bounded memories (kvpush.protocol.memory).
 """
 
 from __future__ import annotations
 
 from kvpush.protocol.actions import Action, ReleaseBlocks, Send
 from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.memory import Memory
 from kvpush.protocol.messages import Failed, Heartbeat
 from kvpush.protocol.producer.claims import Claim
-from kvpush.protocol.producer.memory import Memory
 from kvpush.protocol.producer.moves import ENDING, HEARTBEATING, MAY_HEARTBEAT, Event, State
 from kvpush.protocol.producer.source import Peer, Source
 from kvpush.protocol.timers import HEARTBEAT, Deadlines, Timer

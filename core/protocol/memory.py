@@ -1,4 +1,4 @@
-"""What the producer remembers of transfer ids beyond their sources: bounded memories.
+"""What a machine remembers of transfer ids it no longer tracks: bounded memories.
 
 Each memory answers latecomers (a claim for a transfer that ended, the engine's
 report after a release) and is bounded twice, the same way for all: an entry may
