@@ -75,9 +75,10 @@ class EventTable(Generic[S, E]):
     record, the state and the event (the rule h11 keeps for its connections).
     """
 
-    def __init__(self, side: str, moves: Mapping[tuple[S, E], S]) -> None:
+    def __init__(self, side: str, rows: Mapping[S, Mapping[E, S]]) -> None:
+        """`rows`: for each state, where each event it takes leads."""
         self.side = side
-        self._moves = dict(moves)
+        self._moves = {(s, e): to for s, row in rows.items() for e, to in row.items()}
 
     def fire(self, record: Stateful, event: E) -> None:
         """Move `record` as `event` takes it from its state, or raise ProtocolError."""

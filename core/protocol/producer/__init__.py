@@ -119,7 +119,7 @@ class Producer:
         for claim in self.books.claims():
             if claim.peer == peer and not claim.give_up("peer_lost", reason):
                 # (A WRITE in flight ends it when it can no longer land.)
-                actions += self.end(claim, "peer_lost", now)
+                actions += self.books.end(claim, "peer_lost", now)
         return actions
 
     def has_session(self, peer: str) -> bool:
@@ -232,7 +232,7 @@ class Producer:
         actions: list[Action] = []
         for record in self.books.records(source):
             if not record.give_up("aborted", "the prefill request was aborted"):
-                actions += self.end(record, "aborted", now, notify=True)
+                actions += self.books.end(record, "aborted", now, notify=True)
         return actions
 
     def release_unclaimed(self, transfer_id: str, now: float) -> list[Action]:
@@ -249,7 +249,7 @@ class Producer:
         deserted = transfer_id in self.books.deserted  # its announcers were all lost
         if transfer_id in self.books.announcers or (source.announced and not deserted):
             return [ReleaseRefused(transfer_id, "announced")]
-        return self.end(source, ROUTER_RELEASED, now)
+        return self.books.end(source, ROUTER_RELEASED, now)
 
     def on_write_done(
         self,
@@ -325,7 +325,7 @@ class Producer:
         claim = self.books.claim_of(tid, peer)
         if claim is not None:
             held = claim.hold_off(reason, detail, failed, cancel=False)
-            return held if held is not None else self.end(claim, reason, now, True, detail)
+            return held if held is not None else self.books.end(claim, reason, now, True, detail)
         self.books.refused.remember((peer, tid), reason, now + self.config.tombstone_s)
         return [failed]
 
@@ -350,12 +350,12 @@ class Producer:
             return [ack]
         if not source.claims:
             # Unclaimed, it would be held for the whole lease: no claim is coming from here.
-            return [ack] + self.end(source, DECODE_CANCELLED, now)
+            return [ack] + self.books.end(source, DECODE_CANCELLED, now)
         claim = source.claims.get(peer)
         if claim is None:
             return [ack]  # someone else's claim: not yours to end
         held = claim.hold_off(message.reason, "", ack, cancel=True)
-        return held if held is not None else [ack] + self.end(claim, message.reason, now)
+        return held if held is not None else [ack] + self.books.end(claim, message.reason, now)
 
     # -- time ------------------------------------------------------------------------
 
@@ -390,16 +390,6 @@ class Producer:
 
     # -- endings ---------------------------------------------------------------------
 
-    def end(
-        self,
-        record: Source | Claim,
-        outcome: str,
-        now: float,
-        notify: bool = False,
-        detail: str = "",
-    ) -> list[Action]:
-        return self.books.end(record, outcome, now, notify, detail)
-
     def abandon(
         self, transfer_id: str, peer: str | None, reason: str, detail: str, now: float
     ) -> list[Action]:
@@ -408,7 +398,7 @@ class Producer:
         claim = self.books.claim_of(transfer_id, peer) if peer else None
         if claim is None:
             return []
-        return self.end(claim, reason, now, notify=True, detail=detail)
+        return self.books.end(claim, reason, now, notify=True, detail=detail)
 
     # -- inspection (tests, metrics) -------------------------------------------------
 

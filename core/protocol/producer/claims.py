@@ -167,7 +167,7 @@ class PushClaim(Claim):
                 f"{len(self.destinations)} destination blocks for {len(sources)} source "
                 f"blocks (after skipping {self.skip})"
             )
-            return p.end(self, "bad_blocks", now, notify=True, detail=detail)
+            return p.books.end(self, "bad_blocks", now, notify=True, detail=detail)
         ready = source.blocks_ready * ours - self.skip
         run = self.cursor.next(ready, source.layers_ready, count)
         if run is None:
@@ -176,7 +176,7 @@ class PushClaim(Claim):
             # Nothing (more) to move: decode holds every block in its prefix cache, or
             # earlier WRITEs moved them all.
             complete = Complete(self.transfer_id, b"", self.nbytes, source.kv_ready_wall)
-            return [Send(self.peer, complete)] + p.end(self, "sent", now)
+            return [Send(self.peer, complete)] + p.books.end(self, "sent", now)
         src, dst = p.moving(
             self.peer, sources[run.start : run.stop], self.destinations[run.start : run.stop]
         )
@@ -238,7 +238,7 @@ class PushClaim(Claim):
             wall = self.source.kv_ready_wall
             message = Complete(tid, encode_notif(tid, wall), self.nbytes, wall)
         actions: list[Action] = [Send(self.peer, message)] if p.has_session(self.peer) else []
-        return actions + p.end(self, outcome, now)
+        return actions + p.books.end(self, outcome, now)
 
     def writes_into_peer(self) -> bool:
         return self.state not in (State.CANCELLING, State.FAILING)
@@ -286,7 +286,7 @@ class PullClaim(Claim):
                 f"{self.blocks} blocks asked after skipping {self.skip}, "
                 f"{len(sources)} held after it"
             )
-            return p.end(self, "bad_blocks", now, notify=True, detail=detail)
+            return p.books.end(self, "bad_blocks", now, notify=True, detail=detail)
         self.fire(Event.GRANT)
         p.deadlines.cancel((Timer.REGISTRATION, self.key))
         p.deadlines.set((Timer.LEASE, self.key), now + p.config.lease_s)
@@ -311,4 +311,4 @@ class PullClaim(Claim):
         if self.state not in READABLE:
             return super().released(p, now)
         outcome = self.reason if self.state == State.ABANDONED else "sent"
-        return p.end(self, outcome, now)
+        return p.books.end(self, outcome, now)
