@@ -395,10 +395,10 @@ class Producer:
     ) -> list[Action]:
         """The I/O layer could not make the KV readable for `peer`'s claim (a staging
         copy failed): fail that claim before anything reads it."""
-        claim = self.books.claim_of(transfer_id, peer) if peer else None
-        if claim is None:
+        record = self.books.record_of(transfer_id, peer)
+        if record is None:
             return []
-        return self.books.end(claim, reason, now, notify=True, detail=detail)
+        return self.books.end(record, reason, now, notify=True, detail=detail)
 
     # -- inspection (tests, metrics) -------------------------------------------------
 

@@ -1,8 +1,9 @@
-"""The producer's books: its live sources by transfer id, and what outlives them.
+"""The producer's books: its consumers' sessions, its live sources by transfer id,
+and what outlives them.
 
-A source ends once (Producer.end): its blocks go back, and a tombstone answers the
+A source ends once (Books.end): its blocks go back, and a tombstone answers the
 claims and engine reports that come after. What the books remember beyond the
-sources is in bounded memories (kvpush.protocol.memory).
+sources is in six bounded memories (kvpush.protocol.memory), one class for all.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvpush.protocol.timers import HEARTBEAT, Deadlines, Timer
 
 
 class Books:
-    """Live sources, and six bounded memories of transfer ids."""
+    """Sessions, live sources, the ways they end, and what outlives them."""
 
     def __init__(self, config: ProtocolConfig, num_layers: int, deadlines: Deadlines) -> None:
         self.config = config
@@ -51,6 +52,15 @@ class Books:
     def claim_of(self, tid: str, peer: str) -> Claim | None:
         source = self.sources.get(tid)
         return source.claims.get(peer) if source else None
+
+    def record_of(self, tid: str, peer: str | None) -> Source | Claim | None:
+        """`peer`'s claim on `tid`, or (peer None) its source while nobody claims it."""
+        source = self.sources.get(tid)
+        if source is None:
+            return None
+        if peer is None:
+            return None if source.claims else source
+        return source.claims.get(peer)
 
     def records(self, source: Source) -> list[Source | Claim]:
         """A source's claims, or the source itself while nobody claims it."""
@@ -171,11 +181,10 @@ class Books:
 
     def expire(self, key: tuple[str, str | None], reason: str, now: float) -> list[Action]:
         """A lease or registration deadline of the record at `key` expired."""
-        tid, peer = key
-        source = self.sources.get(tid)
-        record = source and (source.claims.get(peer) if peer else source)
-        if record is None or (record is source and source.claims):
+        record = self.record_of(*key)
+        if record is None:
             return []
+        source = record.source
         held = record.state == State.HELD and not source.announced
         if reason == "lease_expired" and held and source.sequential:
             reason = "orphaned"

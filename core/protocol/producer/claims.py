@@ -85,7 +85,8 @@ class Claim:
         """What is wrong with the blocks a claim of this kind names, if anything."""
         raise NotImplementedError
 
-    def same_as(self, message: Message) -> bool:
+    def same_as(self, message: Any) -> bool:
+        """Whether `message` (a claim of this kind) repeats this claim."""
         raise NotImplementedError
 
     def start(self, p: Producer, now: float) -> list[Action]:
@@ -142,8 +143,8 @@ class PushClaim(Claim):
     def problem(cls, peer: Peer, message: Register, block_tokens: int | None) -> str | None:
         return peer.destination_problem(message, block_tokens)
 
-    def same_as(self, message: Message) -> bool:
-        return isinstance(message, Register) and self.destinations == message.block_ids[0]
+    def same_as(self, message: Register) -> bool:
+        return self.destinations == message.block_ids[0]
 
     def start(self, p: Producer, now: float) -> list[Action]:
         p.deadlines.set((Timer.REGISTRATION, self.key), now + p.config.registration_ttl_s)
@@ -262,11 +263,8 @@ class PullClaim(Claim):
     def problem(cls, peer: Peer, message: PullRequest, block_tokens: int | None) -> str | None:
         return "a pull must ask for at least a block" if message.num_blocks <= 0 else None
 
-    def same_as(self, message: Message) -> bool:
-        return isinstance(message, PullRequest) and (self.blocks, self.skip) == (
-            message.num_blocks,
-            message.skip_blocks,
-        )
+    def same_as(self, message: PullRequest) -> bool:
+        return (self.blocks, self.skip) == (message.num_blocks, message.skip_blocks)
 
     def start(self, p: Producer, now: float) -> list[Action]:
         if self.source.all_computed:
