@@ -285,13 +285,16 @@ class Producer:
         tid, kind = message.transfer_id, CLAIM_KINDS[type(message)]
         refusal = self._refusal(peer, tid, kind.MODE)
         if refusal is None:
-            problem = kind.problem(self._peers[peer], message, self.block_tokens)
+            problem = kind.layout_problem(self._peers[peer], message, self.block_tokens)
             refusal = ("bad_blocks", problem) if problem else None
         existing = self.books.claim_of(tid, peer)
         if refusal is None and existing is not None:
             if existing.same_as(message):
                 return [Counted(kind.DUPLICATE)]
             refusal = ("conflict", "this consumer claimed the transfer for other blocks")
+        too_little = kind.size_problem(message)
+        if refusal is None and too_little:
+            refusal = ("bad_blocks", too_little)
         source = self.books.sources.get(tid)
         refusal = refusal or (source.refusal(message.parts) if source else None)
         if refusal is not None:
@@ -303,6 +306,7 @@ class Producer:
                 self.deadlines.cancel((timer, (tid, None)))
         state = State.CLAIMED if source.known else State.EARLY
         claim = source.claims[peer] = kind.of(source, peer, state, message)
+        claim.seq = next(self.books.claim_seq)
         source.accepted += 1
         source.expected = message.parts
         return claim.start(self, now)

@@ -8,6 +8,8 @@ sources is in six bounded memories (kvpush.protocol.memory), one class for all.
 
 from __future__ import annotations
 
+import itertools
+
 from kvpush.protocol.actions import Action, ReleaseBlocks, Send
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.memory import Memory
@@ -27,6 +29,7 @@ class Books:
         self.deadlines = deadlines
         self.peers: dict[str, Peer] = {}  # consumers with a session
         self.sources: dict[str, Source] = {}
+        self.claim_seq = itertools.count(1)
         self.tombstones: Memory[str, str] = Memory()  # ended transfer id -> why
         self.released: Memory[str, None] = Memory()  # released before the last report
         # Transfers whose last-layer report was acted on: the engine may report the
@@ -47,7 +50,9 @@ class Books:
         return source
 
     def claims(self) -> list[Claim]:
-        return [claim for source in self.sources.values() for claim in source.claims.values()]
+        """Every live claim, in the order they came."""
+        claims = [claim for source in self.sources.values() for claim in source.claims.values()]
+        return sorted(claims, key=lambda claim: claim.seq)
 
     def claim_of(self, tid: str, peer: str) -> Claim | None:
         source = self.sources.get(tid)

@@ -57,6 +57,7 @@ class Claim:
     nbytes: int = 0
     reason: str = ""  # cancelling, failing, abandoned: why the claim ends
     detail: str = ""  # failing: what the consumer is told
+    seq: int = 0  # claims are served in the order they came
 
     @property
     def transfer_id(self) -> str:
@@ -81,9 +82,15 @@ class Claim:
         raise NotImplementedError
 
     @classmethod
-    def problem(cls, peer: Peer, message: Any, block_tokens: int | None) -> str | None:
-        """What is wrong with the blocks a claim of this kind names, if anything."""
-        raise NotImplementedError
+    def layout_problem(cls, peer: Peer, message: Any, block_tokens: int | None) -> str | None:
+        """What is wrong with the blocks the claim names, given the consumer's layout
+        (checked before the claim is compared with an earlier one)."""
+        return None
+
+    @classmethod
+    def size_problem(cls, message: Any) -> str | None:
+        """What is wrong with how much the claim asks for (checked after)."""
+        return None
 
     def same_as(self, message: Any) -> bool:
         """Whether `message` (a claim of this kind) repeats this claim."""
@@ -140,7 +147,7 @@ class PushClaim(Claim):
         )  # fmt: skip
 
     @classmethod
-    def problem(cls, peer: Peer, message: Register, block_tokens: int | None) -> str | None:
+    def layout_problem(cls, peer: Peer, message: Register, block_tokens: int | None) -> str | None:
         return peer.destination_problem(message, block_tokens)
 
     def same_as(self, message: Register) -> bool:
@@ -199,7 +206,8 @@ class PushClaim(Claim):
         if self.state not in WRITE_IN_FLIGHT:
             return False
         self.fire(Event.GIVE_UP)
-        self.reason, self.detail = self.reason or reason, self.detail or detail
+        if not self.reason:  # a cancel or an earlier failure already said why
+            self.reason, self.detail = reason, detail
         return True
 
     def hold_off(self, reason: str, detail: str, notice: Send, cancel: bool) -> list[Action] | None:
@@ -260,7 +268,7 @@ class PullClaim(Claim):
         return cls(source, peer, state, message.skip_blocks, blocks=message.num_blocks)
 
     @classmethod
-    def problem(cls, peer: Peer, message: PullRequest, block_tokens: int | None) -> str | None:
+    def size_problem(cls, message: PullRequest) -> str | None:
         return "a pull must ask for at least a block" if message.num_blocks <= 0 else None
 
     def same_as(self, message: PullRequest) -> bool:
