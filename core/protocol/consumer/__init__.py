@@ -79,10 +79,11 @@ class Consumer:
         self._transfers = self.books.parts  # (transfer id, producer peer) -> part
         self._requests = self.books.requests
         self._push, self._pull = PushWay(self), PullWay(self)
-        self._on_timer: dict[Timer, Callable[[Part, float], list[Action]]] = {
-            Timer.WATCHDOG: self._on_watchdog,
-            Timer.LANDING: self._push.landing_due,
-            Timer.SETTLE: self._on_settled,
+        self._on_timer: dict[Timer, Callable[[Any, float], list[Action]]] = {
+            Timer.HEARTBEAT: lambda _, now: self._heartbeats(now),
+            Timer.WATCHDOG: self._of_part(self._on_watchdog),
+            Timer.LANDING: self._of_part(self._push.landing_due),
+            Timer.SETTLE: self._of_part(self._on_settled),
         }
         self._on_message: dict[type[Message], Callable[[Part, Any, float], list[Action]]] = {
             Writing: self._on_writing,
@@ -293,11 +294,19 @@ class Consumer:
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for timer, key in self._deadlines.pop_expired(now):
-            if timer == Timer.HEARTBEAT:
-                actions += self._heartbeats(now)
-            elif key in self._transfers:
-                actions += self._on_timer[timer](self._transfers[key], now)
+            actions += self._on_timer[timer](key, now)
         return actions
+
+    def _of_part(
+        self, handler: Callable[[Part, float], list[Action]]
+    ) -> Callable[[Any, float], list[Action]]:
+        """`handler` for the part a deadline is keyed by, if it is still live."""
+
+        def on_part(key: Any, now: float) -> list[Action]:
+            part = self._transfers.get(key)
+            return handler(part, now) if part is not None else []
+
+        return on_part
 
     def _on_settled(self, transfer: Part, now: float) -> list[Action]:
         """No WRITE can land in a cancelled part's blocks any more."""
