@@ -63,3 +63,50 @@ class TransitionTable(Mapping[S, frozenset[S]], Generic[S]):
             if targets:
                 rows.append(f"| `{state}` | {', '.join(f'`{t}`' for t in sorted(targets))} |")
         return "\n".join(rows)
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+class EventTable(Generic[S, E]):
+    """Where a record goes when an event meets it in a state: (state, event) -> state.
+
+    A pair the table does not hold is a bug, refused where it happens, naming the
+    record, the state and the event (the rule h11 keeps for its connections).
+    """
+
+    def __init__(self, side: str, rows: Mapping[S, Mapping[E, S]]) -> None:
+        """`rows`: for each state, where each event it takes leads."""
+        self.side = side
+        self._moves = {(s, e): to for s, row in rows.items() for e, to in row.items()}
+
+    def fire(self, record: Stateful, event: E) -> None:
+        """Move `record` as `event` takes it from its state, or raise ProtocolError."""
+        to = self._moves.get((record.state, event))
+        if to is None:
+            raise ProtocolError(
+                f"{self.side}: transfer {record.transfer_id!r} cannot go from "
+                f"{record.state} on {event}"
+            )
+        record.state = to
+
+    def __contains__(self, pair: object) -> bool:
+        return pair in self._moves
+
+    def items(self) -> Iterable[tuple[tuple[S, E], S]]:
+        return self._moves.items()
+
+    def markdown(self) -> str:
+        """The table as docs/protocol.md shows it: one row a (state, event) pair."""
+        rows = ["| in | on | goes to |", "|---|---|---|"]
+        rows += [f"| `{s}` | {e} | `{to}` |" for (s, e), to in self._moves.items()]
+        return "\n".join(rows)
+
+
+def allowed(side: str, states: type[S], *tables: EventTable[S, Any]) -> TransitionTable[S]:
+    """Where each state may go by any event of `tables`: the moves, without their why."""
+    moves: dict[S, set[S]] = {state: set() for state in states}
+    for table in tables:
+        for (state, _), to in table.items():
+            moves[state].add(to)
+    return TransitionTable(side, moves)

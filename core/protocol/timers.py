@@ -8,12 +8,27 @@ makes the old one stale; stale entries are skipped when they surface.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 from collections.abc import Hashable
 
+
+class Timer(enum.StrEnum):
+    """What a deadline is for. A machine's deadlines are keyed (Timer, what it
+    times), and each machine sends an expired one to its handler by a table."""
+
+    HEARTBEAT = "heartbeat"  # the periodic round of heartbeats, one for all peers
+    SILENT = "silent"  # producer: a consumer said nothing for silence_s
+    LEASE = "lease"  # producer: computed or granted KV held for a claim
+    REGISTRATION = "registration"  # producer: a claim or request waits for its KV
+    WATCHDOG = "watchdog"  # consumer: no sign of life from the producer
+    LANDING = "landing"  # consumer: NIXL's notification due after Complete
+    SETTLE = "settle"  # consumer: no WRITE can land any more
+
+
 # The key of a machine's periodic heartbeat round (one per machine, for all peers).
-HEARTBEAT = ("heartbeat", "")
+HEARTBEAT = (Timer.HEARTBEAT, "")
 
 
 class Deadlines:

@@ -66,7 +66,7 @@ def test_kv_a_decode_announced_is_kept(worker: WorkerSide, decode_node: Node):
     _step(worker, produces=[Produce("p1", "t1", (0, 1))])
     decode_node.announce("t1", worker.node.address, "prefill-engine")
     deadline = time.monotonic() + 30
-    while "t1" not in worker.node.producer._announcers:  # the heartbeat crossed
+    while "t1" not in worker.node.producer.books.announcers:  # the heartbeat crossed
         assert time.monotonic() < deadline, "decode's announcement never reached prefill"
         time.sleep(0.01)
     _step(worker, releases=["t1"])

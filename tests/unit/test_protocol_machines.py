@@ -16,6 +16,7 @@ from kvpush.protocol import consumer as consumer_machine
 from kvpush.protocol import producer as producer_machine
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.consumer import TRANSITIONS, Consumer, Source, State
+from kvpush.protocol.consumer import moves as consumer_moves
 from kvpush.protocol.handshake import pairing_problem
 from kvpush.protocol.messages import (
     Cancel,
@@ -27,6 +28,7 @@ from kvpush.protocol.messages import (
     Register,
     Writing,
 )
+from kvpush.protocol.producer import moves as producer_moves
 
 
 def test_registration_first_then_kv():
@@ -1027,6 +1029,36 @@ def test_the_state_tables_in_the_docs_are_the_codes(machine):
     start = doc.index(f"<!-- {table.side}-transitions")
     shown = doc[doc.index("\n", start) + 1 : doc.index(f"<!-- end {table.side}-transitions")]
     assert shown.strip() == table.markdown(), f"paste {table.side}'s TRANSITIONS.markdown()"
+
+
+EVENT_TABLES = {
+    "consumer-events": consumer_moves.EVENTS,
+    "producer-source-events": producer_moves.SOURCE,
+    "producer-push-events": producer_moves.PUSH,
+    "producer-pull-events": producer_moves.PULL,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVENT_TABLES))
+def test_the_event_tables_in_the_docs_are_the_codes(name):
+    """docs/protocol.md shows each (state, event) table as the code has it."""
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    start = doc.index(f"<!-- {name}: rendered from ")
+    shown = doc[doc.index("\n", start) + 1 : doc.index(f"<!-- end {name} -->")]
+    assert shown.strip() == EVENT_TABLES[name].markdown(), f"paste {name}'s markdown()"
+
+
+def test_an_event_a_state_has_no_row_for_is_refused_naming_state_and_event():
+    sim = Sim()
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1")
+    source = sim.producer.books.sources["t1"]
+    (claim,) = source.claims.values()
+    assert (producer_moves.State.WRITING, producer_moves.Event.GRANT) not in claim.TABLE
+    with pytest.raises(ProtocolError, match="cannot go from writing on grant"):
+        claim.fire(producer_moves.Event.GRANT)
+    assert claim.state == producer_moves.State.WRITING
 
 
 def test_a_move_the_table_does_not_allow_is_refused_as_a_bug():

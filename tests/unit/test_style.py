@@ -49,7 +49,7 @@ IO_MODULES = {
 @pytest.mark.parametrize("package", ["protocol", "engine"])
 def test_the_sans_io_packages_do_no_io(package):
     offenders = []
-    for path in sorted((ROOT / "core" / package).glob("*.py")):
+    for path in sorted((ROOT / "core" / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
