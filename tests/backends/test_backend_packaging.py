@@ -138,3 +138,19 @@ def test_core_names_no_device_outside_the_hook_contract():
 def test_the_device_name_check_sees_code_but_not_prose():
     code = '"""Works with CUDA."""\n# and Neuron\nif kind == "cuda":\n    import torch_xla\n'
     assert [name for _, name in _mentions(ast.parse(code))] == ["cuda", "torch_xla"]
+
+
+def test_every_package_folder_ships_in_a_built_wheel():
+    """An editable install finds subpackages by path; a wheel ships only those listed."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    folders = {name: ROOT / path for name, path in setuptools["package-dir"].items()}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *parts)))
+    assert found - listed == set(), f"package folders no wheel would ship: {sorted(found - listed)}"
