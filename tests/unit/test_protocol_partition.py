@@ -47,11 +47,6 @@ def heal(sim: Sim) -> None:
         sim._run_consumer(sim.c, sim.c.machine.on_peer_lost(PRODUCER, "closed", sim.now, True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the consumer reports the producer's late reason (lease_expired), not the "
-    "watchdog that ended the transfer (core/protocol/consumer.py, _on_failed)",
-)
 def test_a_cut_longer_than_the_watchdog_fails_as_the_watchdog_when_it_heals():
     # The KV waits at the producer under its lease; decode's registration is caught in
     # the cut, which outlasts both decode's watchdog and prefill's lease.

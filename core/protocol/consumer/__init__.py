@@ -364,11 +364,14 @@ class Consumer:
         if transfer.state == State.READING:
             transfer.cancel_reason = message.reason  # our READ still runs; it ends it
             return []
+        # Where our own cancel came first (the watchdog, an abort), that is why the
+        # transfer ended; the producer's reason then only says how its side ended.
+        reason = transfer.cancel_reason or message.reason
         if message.may_land and transfer.state in WRITES_MAY_LAND:
             # A WRITE the producer gave up on may still be landing in our blocks.
-            return self.books.settle_later(transfer, message.reason, now)
+            return self.books.settle_later(transfer, reason, now)
         # The producer wrote nothing more after saying so: the blocks are ours again.
-        return self.books.fail(transfer, now, message.reason, message.detail)
+        return self.books.fail(transfer, now, reason, message.detail)
 
     def _on_watchdog(self, transfer: Part, now: float) -> list[Action]:
         if transfer.state == State.CONNECTING:
