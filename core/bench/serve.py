@@ -38,7 +38,7 @@ per-request traces from kvpush's instances and router (traces-*.json), a Markdow
 one rate), where- (mean TTFT split into its spans, a stacked bar per configuration)
 and ttft-cdf-<placement>.png.
 
-One module, past 550 lines: each configuration's deployment (plain, kvpush push and
+One module: each configuration's deployment (plain, kvpush push and
 pull, upstream's two connectors), both placements, and the cells they fill read in
 the order a run takes them; the load is bench/load.py's, the report bench/report.py's.
 """

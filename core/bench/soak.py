@@ -24,7 +24,7 @@ Out (in `--out`): requests.jsonl (a line per request, then a summary line),
 table.md, faults.log, logs/ (every server's and the router's log); a progress line
 on stderr while it runs.
 
-One module, past 550 lines: the run's phases (warm-up, settling, load with faults,
+One module: the run's phases (warm-up, settling, load with faults,
 quiescence, the verdict) read in the order they run. Faults are bench/faults.py's,
 the load bench/load.py's.
 """

@@ -12,7 +12,7 @@ cost, once; the scheduler logs one INFO line of what did. `/kvpush/state?detail=
 shows the scheduler's record and each worker rank's; `kvpush doctor` probes the
 installed vLLM without starting an engine.
 
-One module, past 550 lines: every reach past vLLM's contract lives here, where one
+One module: every reach past vLLM's contract lives here, where one
 read shows all of them, their versions and their costs.
 
 Parking (why it exists): vLLM's multiprocess executor hands each step to its workers

@@ -72,19 +72,3 @@ def test_test_modules_have_unique_names():
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
         seen[path.name] = path
-
-
-MAX_LINES = 550
-
-
-def test_a_module_past_the_size_limit_says_why_in_its_docstring():
-    """Long modules are hard to read; one that must be long says why at its top."""
-    unexplained = []
-    for path in sorted((ROOT / "core").rglob("*.py")) + sorted((ROOT / "backends").rglob("*.py")):
-        text = path.read_text()
-        if text.count("\n") <= MAX_LINES:
-            continue
-        docstring = ast.get_docstring(ast.parse(text)) or ""
-        if f"past {MAX_LINES} lines" not in docstring:
-            unexplained.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
-    assert not unexplained, unexplained
