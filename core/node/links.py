@@ -118,7 +118,8 @@ class Links:
             except (KVPushError, ValueError) as exc:
                 self.loop.call_soon(self._unreachable, peer, f"connect failed: {exc}")
                 return
-            self.loop.call_soon(self._attach, peer, sock, True)
+            if not self.loop.call_soon(self._attach, peer, sock, True):
+                sock.close()  # the node closed while we dialled
 
         threading.Thread(target=dial, name=f"kvpush-dial-{peer}", daemon=True).start()
 

@@ -116,10 +116,15 @@ class Loop:
 
     # -- work from any thread ---------------------------------------------------------
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run fn(*args) on the loop thread; safe from any thread."""
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run fn(*args) on the loop thread; safe from any thread. False when the loop
+        has stopped and will run nothing more: the caller keeps what it meant to hand
+        over (a socket to close, say)."""
+        if self._stopping:
+            return False
         self._calls.append((fn, args, None))
         self._wake()
+        return True
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = 30.0) -> Any:
         """Run fn(*args) on the loop thread and return its result (or raise its error)."""
@@ -133,8 +138,9 @@ class Loop:
         return future.result(timeout)
 
     def _wake(self) -> None:
-        # A full pipe already holds wake-ups enough.
-        with contextlib.suppress(BlockingIOError):
+        # A full pipe already holds wake-ups enough; a closed one belongs to a loop that
+        # stopped between the caller's look and now, and will run nothing more.
+        with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"\0")
 
     def _drain_wakeups(self) -> None:

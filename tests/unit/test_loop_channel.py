@@ -176,3 +176,14 @@ def test_connect_to_nothing_names_the_address():
 
     with pytest.raises(ProtocolError, match=r"127\.0\.0\.1:1"):
         connect("127.0.0.1", 1, timeout=2)
+
+
+def test_a_call_handed_to_a_stopped_loop_is_refused_not_raised():
+    # A dial thread finishing after its node closed hands its socket to a loop whose
+    # wake-up pipe is gone: it must learn so (and close the socket), not die of EBADF.
+    lp = Loop("stopped-loop", idle_tick=0.05)
+    lp.start()
+    lp.stop()
+    assert lp.call_soon(lambda: None) is False
+    lp._stopping = False  # the race: the look saw a live loop, its pipe closed after
+    assert lp.call_soon(lambda: None) is True  # no OSError from the closed pipe
