@@ -189,7 +189,7 @@ LEAD_S = 3.0  # load before a fault: requests in flight when it strikes
 
 
 @pytest.fixture(scope="module")
-def fault_router(pair: TwoHostPair) -> Iterator[str]:
+def fault_router(pair: TwoHostPair, request: pytest.FixtureRequest) -> Iterator[str]:
     pair.running(FAULT_SHAPE)
     name = "hosts-faults"
     url = pair.cluster.start_router([pair.prefill], [pair.decode], mode="push",
@@ -198,8 +198,12 @@ def fault_router(pair: TwoHostPair) -> Iterator[str]:
         yield url
     finally:
         pair.cluster.stop_router(name)
-        print("\n".join(["", "| fault | for | what each request got | recovered in | held after |",
-                         "|---|---|---|---|---|", *FAULT_TABLE]))  # fmt: skip
+        table = ["| fault | for | what each request got | recovered in | held after |",
+                 "|---|---|---|---|---|", *FAULT_TABLE]  # fmt: skip
+        print("\n".join(["", *table]))
+        # Kept where a run under xdist (whose output is captured) can still be read:
+        # pytest --cache-show kvpush/two_hosts_faults
+        request.config.cache.set("kvpush/two_hosts_faults", table)
 
 
 FAULT_TABLE: list[str] = []
