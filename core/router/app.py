@@ -51,7 +51,7 @@ from kvpush.router.membership import Membership
 from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import PrefixIndex
 from kvpush.router.reach import identity_unreachable, not_an_identity
-from kvpush.router.relay import Relay
+from kvpush.router.relay import DecodeLeg, Relay
 from kvpush.router.release import PrefillReleases
 from kvpush.router.reports import Reports
 from kvpush.router.request import (
@@ -401,7 +401,7 @@ class Router:
         )
         self.releases.watch(posted, prefill, prefill_answer)
         return await relay.relay(
-            request, decode, endpoint, leg, headers, posted, prefill_answer, body
+            DecodeLeg(request, decode, endpoint, leg, headers, posted, prefill_answer, body)
         )
 
     def _prefill_done(

@@ -14,21 +14,12 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router import first_token
+from kvpush.router import request as req
 from kvpush.router.continuation import Departed, continuation_leg, text_in_context
 from kvpush.router.first_token import Continue, DecodeEdit, Send
 from kvpush.router.instances import Instance
 from kvpush.router.legs import openai_error
-from kvpush.router.relay import Relay
-from kvpush.router.request import (
-    ANSWERED,
-    TRACE,
-    LegFailed,
-    Trace,
-    cause,
-    describe,
-    error_event,
-    upstream_message,
-)
+from kvpush.router.relay import DecodeLeg, Relay
 from kvpush.router.sse import encode, events
 
 log = logging.getLogger(__name__)
@@ -46,24 +37,16 @@ class FirstTokenRelay(Relay):
     def decode_leg(self, leg: dict[str, Any]) -> dict[str, Any]:
         return first_token.decode_leg(leg)
 
-    async def relay(
-        self,
-        request: web.Request,
-        decode: Instance,
-        endpoint: str,
-        leg: dict[str, Any],
-        headers: dict[str, str],
-        posted: asyncio.Future,
-        prefill_answer: asyncio.Future,
-        body: dict[str, Any],
-    ) -> web.StreamResponse:
+    async def relay(self, d: DecodeLeg) -> web.StreamResponse:
         """The decode leg (`posted`, its request, sent already), streamed, behind
         prefill's first token: the client is answered when prefill answers, without
         waiting for decode at all, and gets decode's stream from its second token on.
         The prefill leg has validated the client's parameters by then, so a decode
         leg that fails later has failed on its own: each unfinished choice continues
         from the tokens the client has, on another decode instance if there is one."""
-        trace: Trace = request[TRACE]
+        request, decode, endpoint, leg = d.request, d.decode, d.endpoint, d.leg
+        headers, posted, prefill_answer, body = d.headers, d.posted, d.prefill_answer, d.body
+        trace: req.Trace = request[req.TRACE]
         unread: asyncio.Future | None = posted  # to close when the client has its answer
         try:
             edit = DecodeEdit.start(
@@ -78,7 +61,7 @@ class FirstTokenRelay(Relay):
                 raise await self.refused(decode, leg, posted.result())  # still retryable
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await stream.prepare(request)
-            request[ANSWERED] = True
+            request[req.ANSWERED] = True
             for event in edit.opening.events:
                 await stream.write(encode(event))
             trace.mark("first_byte")
@@ -135,7 +118,7 @@ class FirstTokenRelay(Relay):
                         stop = action
                 if stop is not None and stop.error is not None:
                     self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                    failure = error_event(decode, stop.error)
+                    failure = req.error_event(decode, stop.error)
                     why = (await self.kvpush_reason(decode, leg, failure)).message
                     break
                 if stop is not None:
@@ -144,9 +127,9 @@ class FirstTokenRelay(Relay):
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
-            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
+            self.metrics.inc("leg_failures", leg="decode", why=req.cause(exc))
             self.eject(decode)
-            why = f"decode instance {decode.url} failed: {describe(exc)}"
+            why = f"decode instance {decode.url} failed: {req.describe(exc)}"
         try:
             await asyncio.gather(*continuations)
         finally:
@@ -195,15 +178,15 @@ class FirstTokenRelay(Relay):
             ) as response:
                 if response.status >= 400:
                     text = (await response.read()).decode(errors="replace")
-                    raise LegFailed(response.status, upstream_message(decode, text))
+                    raise req.LegFailed(response.status, req.upstream_message(decode, text))
                 async for event in events(response.content):
                     out = edit.continued(index, event)
                     if out is not None:
                         await stream.write(encode(out))
-        except (aiohttp.ClientError, asyncio.TimeoutError, LegFailed, Departed) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, req.LegFailed, Departed) as exc:
             if isinstance(exc, ConnectionResetError):
                 raise  # the client went away
-            message = exc.message if isinstance(exc, LegFailed) else describe(exc)
+            message = exc.message if isinstance(exc, req.LegFailed) else req.describe(exc)
             failure = f"choice {index} could not be continued on {decode.url}: {message}"
             await stream.write(encode(openai_error(failure, "upstream_error", 502)))
 
@@ -221,11 +204,13 @@ class FirstTokenRelay(Relay):
         ) as response:
             text = (await response.read()).decode(errors="replace")
             if response.status >= 400:
-                raise LegFailed(response.status, upstream_message(decode, text))
+                raise req.LegFailed(response.status, req.upstream_message(decode, text))
             try:
                 return json.loads(text)["prompt"]
             except (ValueError, KeyError, TypeError) as exc:
-                raise LegFailed(502, f"{decode.url}/detokenize answered {text[:200]!r}") from exc
+                raise req.LegFailed(
+                    502, f"{decode.url}/detokenize answered {text[:200]!r}"
+                ) from exc
 
     def _drain(self, posted: asyncio.Future) -> None:
         """Every choice ended at its first token, so the client needs nothing from

@@ -18,21 +18,27 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.metrics import Metrics
+from kvpush.router import request as req
 from kvpush.router.instances import Instance, Pool
 from kvpush.router.legs import prefill_leg
-from kvpush.router.request import (
-    ANSWERED,
-    TRACE,
-    LegFailed,
-    Trace,
-    cause,
-    describe,
-    error_event,
-    upstream_message,
-)
 from kvpush.router.sse import Rewriter, first_word, whole_json
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeLeg:
+    """A decode leg on its way: the client's request, the leg posted to `decode` (the
+    future of its answer) and prefill's answer, as a relay takes them."""
+
+    request: web.Request
+    decode: Instance
+    endpoint: str
+    leg: dict[str, Any]
+    headers: dict[str, str]
+    posted: asyncio.Future
+    prefill_answer: asyncio.Future
+    body: dict[str, Any]
 
 
 @dataclass
@@ -55,19 +61,9 @@ class Relay:
     def decode_leg(self, leg: dict[str, Any]) -> dict[str, Any]:
         return leg
 
-    async def relay(
-        self,
-        request: web.Request,
-        decode: Instance,
-        endpoint: str,
-        leg: dict[str, Any],
-        headers: dict[str, str],
-        posted: asyncio.Future,
-        prefill_answer: asyncio.Future,
-        body: dict[str, Any],
-    ) -> web.StreamResponse:
-        """The client's answer from the decode leg `posted` (sent already)."""
-        return await self.stream(request, decode, endpoint, leg, posted)
+    async def relay(self, d: DecodeLeg) -> web.StreamResponse:
+        """The client's answer from the decode leg (sent already)."""
+        return await self.stream(d.request, d.decode, d.endpoint, d.leg, d.posted)
 
     async def stream(
         self,
@@ -80,7 +76,7 @@ class Relay:
     ) -> web.StreamResponse:
         """Pass the decode leg's answer through, streamed if it streams; each streamed
         event through `rewrite` if given."""
-        trace: Trace = request[TRACE]
+        trace: req.Trace = request[req.TRACE]
         stream: web.StreamResponse | None = None
         try:
             async with await posted as response:
@@ -100,11 +96,11 @@ class Relay:
                     word = None
                 if word and "error" in word:
                     self.metrics.inc("leg_failures", leg="decode", why="error_event")
-                    raise await self.kvpush_reason(decode, leg, error_event(decode, word))
+                    raise await self.kvpush_reason(decode, leg, req.error_event(decode, word))
                 trace.mark("first_byte")
                 stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await stream.prepare(request)
-                request[ANSWERED] = True
+                request[req.ANSWERED] = True
                 rewriter = Rewriter(rewrite) if rewrite is not None else None
                 await stream.write(rewriter.feed(head) if rewriter else head)
                 async for chunk in chunks:
@@ -117,11 +113,13 @@ class Relay:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
             if stream is not None:
                 return self._cut(stream, decode, endpoint, exc)
-            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
-            message = f"decode instance {decode.url} failed: {describe(exc)}"
-            raise LegFailed(502, message, instance=decode) from exc
+            self.metrics.inc("leg_failures", leg="decode", why=req.cause(exc))
+            message = f"decode instance {decode.url} failed: {req.describe(exc)}"
+            raise req.LegFailed(502, message, instance=decode) from exc
 
-    def _whole(self, decode: Instance, endpoint: str, trace: Trace, payload: bytes) -> web.Response:
+    def _whole(
+        self, decode: Instance, endpoint: str, trace: req.Trace, payload: bytes
+    ) -> web.Response:
         """A whole (unstreamed) answer, checked to be one."""
         if not whole_json(payload):
             # Headers came, then the connection ended: a decode that died
@@ -131,19 +129,21 @@ class Relay:
                 f"decode instance {decode.url} ended its answer early "
                 f"({len(payload)} bytes, not a whole JSON object)"
             )
-            raise LegFailed(502, message, instance=decode)
+            raise req.LegFailed(502, message, instance=decode)
         trace.mark("first_byte")
         self.metrics.inc("requests", endpoint=endpoint, status="200")
         return web.Response(body=payload, content_type="application/json")
 
     async def refused(
         self, decode: Instance, leg: dict[str, Any], response: aiohttp.ClientResponse
-    ) -> LegFailed:
+    ) -> req.LegFailed:
         """A decode leg answered with an error status: the failure, with kvpush's
         reason if kvpush failed it."""
         text = (await response.read()).decode(errors="replace")
         self.metrics.inc("leg_failures", leg="decode", why=str(response.status))
-        failure = LegFailed(response.status, upstream_message(decode, text), instance=decode)
+        failure = req.LegFailed(
+            response.status, req.upstream_message(decode, text), instance=decode
+        )
         return await self.kvpush_reason(decode, leg, failure)
 
     def _cut(
@@ -157,15 +157,15 @@ class Relay:
             asyncio.TimeoutError,
         )
         if isinstance(exc, upstream):
-            self.metrics.inc("leg_failures", leg="decode", why=cause(exc))
+            self.metrics.inc("leg_failures", leg="decode", why=req.cause(exc))
             log.warning("kvpush router: decode %s broke off a stream: %s", decode.url, exc)
         else:
             self.metrics.inc("client_disconnects", endpoint=endpoint)
         return stream
 
     async def kvpush_reason(
-        self, decode: Instance, leg: dict[str, Any], failure: LegFailed
-    ) -> LegFailed:
+        self, decode: Instance, leg: dict[str, Any], failure: req.LegFailed
+    ) -> req.LegFailed:
         """A decode leg that failed on the server side: if kvpush failed it (its KV
         could not be loaded), the decode instance's trace says why, and the client is
         told that rather than vLLM's bare "Internal server error"."""
@@ -186,4 +186,4 @@ class Relay:
         self.metrics.inc("kv_load_failures")
         message = f"decode instance {decode.url} could not load the prompt's KV: {reasons[-1]}"
         log.warning("kvpush router: %s", message)  # the client is told; the operator too
-        return LegFailed(failure.status, message, "kv_transfer_error", instance=decode)
+        return req.LegFailed(failure.status, message, "kv_transfer_error", instance=decode)
