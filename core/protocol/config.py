@@ -78,3 +78,13 @@ class ProtocolConfig:
         if unknown:
             raise ConfigError(f"unknown protocol setting(s) {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+
+class Machine:
+    """What each of the protocol's machines knows of its own worker's KV cache."""
+
+    def __init__(self, config: ProtocolConfig, block_tokens: int | None, null_block: int) -> None:
+        self.config = config
+        # Tokens per block of our KV cache (None: as every peer's, as in models of one).
+        self.block_tokens = block_tokens
+        self.null_block = null_block  # our layout's (kvpush.layout.moving_pairs)

@@ -27,7 +27,7 @@ from typing import Any
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout
 from kvpush.protocol.actions import Action, Counted
-from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.config import Machine, ProtocolConfig
 from kvpush.protocol.consumer.books import Books
 from kvpush.protocol.consumer.moves import (
     HEARTBEATING,
@@ -57,7 +57,7 @@ from kvpush.protocol.timers import HEARTBEAT, Deadlines, Timer, arm_heartbeat
 __all__ = ["TRANSITIONS", "Consumer", "Source", "State"]
 
 
-class Consumer:
+class Consumer(Machine):
     """All transfers of one decode worker rank."""
 
     def __init__(
@@ -67,11 +67,8 @@ class Consumer:
         block_tokens: int | None = None,
         null_block: int = -1,
     ) -> None:
-        self.config = config
+        super().__init__(config, block_tokens, null_block)
         self.layout_digest = layout_digest
-        # Tokens per block of our KV cache (None: as every peer's, as in models of one).
-        self.block_tokens = block_tokens
-        self.null_block = null_block  # our layout's (kvpush.layout.moving_pairs)
         self.sessions = Sessions()
         self._peers = self.sessions.peers
         self._deadlines = Deadlines()

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvpush.layout import KVLayout, moving_pairs
 from kvpush.protocol.actions import Action, Counted, Disconnect, ReleaseRefused, Send
-from kvpush.protocol.config import ProtocolConfig
+from kvpush.protocol.config import Machine, ProtocolConfig
 from kvpush.protocol.messages import (
     Cancel,
     CancelAck,
@@ -66,7 +66,7 @@ ROUTER_RELEASED = "router_released"
 CLAIM_KINDS: dict[type[Message], type[Claim]] = {Register: PushClaim, PullRequest: PullClaim}
 
 
-class Producer:
+class Producer(Machine):
     """All transfers of one prefill worker rank."""
 
     def __init__(
@@ -76,11 +76,8 @@ class Producer:
         block_tokens: int | None = None,
         null_block: int = -1,
     ) -> None:
-        self.config = config
+        super().__init__(config, block_tokens, null_block)
         self.num_layers = num_layers
-        # Tokens per block of our KV cache (None: as every peer's, as in models of one).
-        self.block_tokens = block_tokens
-        self.null_block = null_block  # our layout's (kvpush.layout.moving_pairs)
         self.deadlines = Deadlines()
         self.books = Books(config, num_layers, self.deadlines)
         self._peers = self.books.peers
