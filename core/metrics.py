@@ -28,6 +28,8 @@ HELP = {
     "rejected_messages": "Side-channel messages refused or ignored, by why",
     "rejected_notifs": "NIXL notifications ignored, by why",
     "handshakes": "Side-channel handshakes, by result",
+    "write_retries": "Failed producer WRITEs posted again into the same blocks",
+    "reconnects": "NIXL peers loaded again after a WRITE to them failed outright",
     "silent_consumers": "Consumer links dropped for silence while blocks were registered",
     "post_seconds": "Time to prepare and post one NIXL transfer",
     "transfer_seconds": "Time from posting a NIXL transfer to its completion",

@@ -40,6 +40,8 @@ class Route:
     local: tuple[Unit, ...]  # our units, aligned with the peer's (kvpush.layout.plan)
     table: BlockTable  # the peer's units' descriptor rows
     prepared: PreparedList
+    mem_type: str  # of the peer's KV
+    metadata: bytes  # the peer's NIXL metadata, loaded again to reconnect
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class DataPath:
         self._retiring: dict[str, list[PreparedList]] = {}
         self._fences: dict[str, dict[int, Any]] = {}  # transfer -> layers ready -> fence
         self._expected: dict[str, tuple[list[int], float]] = {}
+        # NIXL agents a WRITE to failed outright: reconnected before the next post.
+        self._broken: set[str] = set()
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
         self._whole = tuple(units(kv.layout, split=False))
@@ -124,7 +128,9 @@ class DataPath:
             if added:
                 self._forget_agent(agent_peer)
             raise
-        self.routes[peer] = Route(peer, agent_peer, tuple(ours), table, prepared)
+        self.routes[peer] = Route(
+            peer, agent_peer, tuple(ours), table, prepared, layout.mem_type, metadata
+        )
         if notifies:
             self._notifiers[agent_peer] = peer
 
@@ -154,6 +160,32 @@ class DataPath:
             self.agent.remove_peer(agent_peer)
         except TransportError as exc:
             log.debug("kvpush: removing NIXL peer %s: %s", agent_peer, exc)
+
+    def _reconnect(self, agent_peer: str) -> None:
+        """A WRITE to `agent_peer` failed outright: the UCX endpoint it used may have
+        died with its network route (a short cut) while the side channel held. Load
+        the peer's metadata again, so the next post opens a fresh endpoint, and
+        prepare its descriptor tables anew. Transfers still in flight to it keep the
+        old endpoint: it waits until they settled."""
+        if agent_peer not in self._broken:
+            return
+        if any(f.transfer.peer == agent_peer for f in [*self.writes, *self.reads]):
+            return
+        routes = [route for route in self.routes.values() if route.agent_peer == agent_peer]
+        for prepared in [r.prepared for r in routes] + self._retiring.pop(agent_peer, []):
+            try:
+                self.agent.release_list(prepared)
+            except Exception as exc:
+                log.debug("kvpush: releasing a broken peer's descriptor list: %s", exc)
+        try:
+            self.agent.remove_peer(agent_peer)
+        except TransportError as exc:  # already gone: loading it again is what matters
+            log.debug("kvpush: removing NIXL peer %s to reconnect: %s", agent_peer, exc)
+        self.agent.add_peer(routes[0].metadata)
+        for route in routes:
+            route.prepared = self.agent.prepare(route.table.rows, route.mem_type, agent_peer)
+        self._broken.discard(agent_peer)
+        self.metrics.inc("reconnects")
 
     def local(self, layout_units: tuple[Unit, ...]) -> tuple[BlockTable, PreparedList]:
         """Our own descriptor table for these units (a pairing's plan), prepared once."""
@@ -216,6 +248,12 @@ class DataPath:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that
         cannot go fails alone, the rest still go."""
         route = self.routes.get(peer)
+        try:
+            if route is not None:
+                self._reconnect(route.agent_peer)
+        except Exception as exc:  # it stays broken: the next post tries again
+            detail = f"reconnecting to the consumer's NIXL agent failed: {exc}"
+            return [Settled("WRITE", write.transfer_id, peer, False, detail) for write in group]
         settled: list[Settled] = []
         parts: list[_Part] = []
         for write in group:
@@ -237,6 +275,7 @@ class DataPath:
         try:
             flight = self._post(self.writes, "WRITE", route, parts)
         except Exception as exc:  # NIXL refused the post: nothing is in flight
+            self._broken.add(route.agent_peer)
             failed = [Settled("WRITE", p.transfer_id, peer, False, str(exc)) for p in parts]
             return settled + failed
         return settled + self._settle_if_finished(self.writes, flight)
@@ -349,6 +388,8 @@ class DataPath:
                 done = self.agent.done(flight.transfer)
             except TransportError as exc:
                 table.remove(flight)
+                if flight.transfer.op == "WRITE":
+                    self._broken.add(flight.transfer.peer)
                 settled += _settled(flight, False, str(exc))
                 continue
             except Exception as exc:  # a bug below us: the transfer's state is unknown

@@ -33,6 +33,10 @@ class ProtocolConfig:
         nothing more. So a consumer whose link broke (perhaps only on its side) may
         reuse those blocks `silence_s` after the last thing it sent, plus the time a
         posted WRITE may take to land. At least three heartbeats.
+    write_retries: how many times a WRITE that failed (its route went in a short
+        network cut) is posted again, a heartbeat apart, while the consumer's claim
+        holds the blocks; only then does the transfer fail as write_failed. Rewriting
+        the same bytes into the same registered blocks is safe. 0: fail at once.
     orphan_grace_s: how long a producer holds the computed KV of a transfer it named
         itself (its orchestrator sends the decode leg only after prefill answered)
         for a consumer to announce it; one that has not by then never will. It only
@@ -50,16 +54,20 @@ class ProtocolConfig:
     tombstone_s: float = 300.0
     orphan_grace_s: float = 10.0
     silence_s: float = 10.0
+    write_retries: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         for field in dataclasses.fields(self):
-            if field.name == "mode":
+            if field.name in ("mode", "write_retries"):
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{field.name} must be a positive number, got {value!r}")
+        retries = self.write_retries
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ConfigError(f"write_retries must be a whole number >= 0, got {retries!r}")
         if self.heartbeat_s * 2 > min(self.lease_s, self.registration_ttl_s, self.watchdog_s):
             raise ConfigError(
                 f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s, "

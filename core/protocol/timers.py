@@ -22,6 +22,7 @@ class Timer(enum.StrEnum):
     SILENT = "silent"  # producer: a consumer said nothing for silence_s
     LEASE = "lease"  # producer: computed or granted KV held for a claim
     REGISTRATION = "registration"  # producer: a claim or request waits for its KV
+    REWRITE = "rewrite"  # producer: a failed WRITE is posted again
     WATCHDOG = "watchdog"  # consumer: no sign of life from the producer
     LANDING = "landing"  # consumer: NIXL's notification due after Complete
     SETTLE = "settle"  # consumer: no WRITE can land any more

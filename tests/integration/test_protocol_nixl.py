@@ -155,8 +155,34 @@ def test_a_batch_ready_together_goes_in_one_nixl_write_and_each_lands(spawn):
     _quiet(consumer)
 
 
-def test_write_that_fails_to_post_fails_the_consumer_at_once(spawn):
+def test_a_write_whose_nixl_peer_went_is_posted_again_on_a_fresh_one_and_lands(spawn):
+    # The consumer's NIXL agent vanishes from under the producer (as its UCX endpoint
+    # does when a short cut takes the route): the WRITE fails, the data path loads
+    # the consumer's metadata again, and the retry a heartbeat later lands.
     producer = spawn("producer", "prefill")
+    consumer = spawn("consumer", "decode")
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
+    _registered(producer)
+    producer.call("forget_peers")
+    producer.call("kv_ready", tid="t1", blocks=[0, 1], value=0x42)
+    delivered = _one(consumer)
+    assert (delivered["kind"], delivered["transfer_id"]) == ("delivered", "t1")
+    assert _one(producer)["reason"] == "sent"
+    layer_values = _values(consumer)
+    for layer in layer_values:
+        assert [layer[block] for block in (1, 2)] == [[0x42], [0x42]], layer_values
+    counters = _quiet(producer)["metrics"]
+    assert _total(counters, "write_retries") >= 1 and _total(counters, "reconnects") >= 1
+    _quiet(consumer)
+
+
+def _total(counters: dict, name: str) -> float:
+    """A counter's sum over its labels, from a peer's metrics snapshot."""
+    return sum(counters.get(name, {}).values())
+
+
+def test_write_that_fails_to_post_fails_the_consumer_at_once_without_retries(spawn):
+    producer = spawn("producer", "prefill", write_retries=0)
     consumer = spawn("consumer", "decode")
     consumer.call("expect", tid="t1", producer=producer.address, blocks=[1, 2])
     _registered(producer)

@@ -237,6 +237,52 @@ def test_landed_kv_is_staged_to_the_device_and_counted_from_our_layout(path):
     assert data.landed("t") == 0  # a second delivery stages nothing
 
 
+def test_a_write_that_failed_outright_reconnects_its_peer_before_the_next_post(path):
+    data, agent, _, _ = path
+    data.post_writes([_write("a"), _write("b", (2,))])
+    data.post_writes([_write("c", (3,))])
+    agent.state[0] = TransportError("WRITE completion", "remote disconnected")
+    assert [s.ok for s in data.progress()] == [False, False]
+    data.post_writes([_write("d", (4,))])  # "c" still uses the old endpoint: kept
+    assert agent.removed == [] and len(agent.posts) == 3
+    agent.state = {1: True, 2: True}
+    data.progress()
+    data.post_writes([_write("a")])  # the retry: a fresh endpoint first
+    assert agent.removed == ["decode-agent"] and "decode-agent" in agent.peers
+    assert agent.released_lists == ["decode-agent"]  # the old table, prepared anew
+    assert data.routes["decode:1"].prepared.peer == "decode-agent"
+    data.post_writes([_write("b", (2,))])
+    assert agent.removed == ["decode-agent"]  # once per failure, not per post
+
+
+def test_a_refused_post_reconnects_and_a_timed_out_write_does_not(path):
+    data, agent, _, clock = path
+    data.post_writes([_write("a")])
+    clock.now += 2.1  # past its grace: it may still land, the endpoint is not blamed
+    data.progress()
+    data.post_writes([_write("b", (2,))])
+    assert agent.removed == []
+    agent.refuse_posts = True
+    data.post_writes([_write("c", (3,))])
+    agent.refuse_posts = False
+    clock.now += 2.1
+    data.progress()  # "b" times out: the peer's table is free to go
+    data.post_writes([_write("c", (3,))])
+    assert agent.removed == ["decode-agent"]
+
+
+def test_a_reconnect_that_fails_fails_the_writes_and_is_tried_again(path):
+    data, agent, _, _ = path
+    agent.refuse_posts = True
+    data.post_writes([_write("a")])
+    agent.refuse_posts = False
+    agent.refuse_prepare_for = "decode-agent"
+    [settled] = data.post_writes([_write("a")])
+    assert not settled.ok and "reconnecting" in settled.detail and len(agent.posts) == 0
+    agent.refuse_prepare_for = None
+    assert data.post_writes([_write("a")]) == [] and len(agent.posts) == 1
+
+
 def test_a_nixl_peer_is_kept_while_a_transfer_to_it_is_in_flight_and_dropped_after(path):
     data, agent, _, _ = path
     data.post_writes([_write("a")])

@@ -6,6 +6,7 @@ no request left waiting, no WRITE landing in a block that was not its own.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -327,8 +328,8 @@ def test_producer_abort_at_each_stage(stage):
     sim.check()
 
 
-def test_write_post_failure_reaches_the_consumer_at_once():
-    sim = Sim()
+def test_write_post_failure_reaches_the_consumer_at_once_without_retries():
+    sim = Sim(config=dataclasses.replace(Sim().config, write_retries=0))
     sim.expect("t1")
     sim.deliver()
     sim.ready("t1")
@@ -553,6 +554,10 @@ def test_a_failed_layer_write_fails_the_transfer():
     sim.expect("t1")
     sim.deliver()
     sim.ready("t1", layers=1)
+    for _ in range(sim.config.write_retries):
+        sim.finish_writes(ok=False)
+        sim.advance(sim.config.heartbeat_s)  # posted again, the same layer
+        assert sim.writes["t1"][1].layers == (0, 1)
     sim.finish_writes(ok=False)
     sim.deliver()
     assert sim.c.failed == {"t1": "write_failed"}

@@ -7,6 +7,8 @@ network queue while the clock runs, and arrive in order when the cut ends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from protocol_sim import PRODUCER, Sim
 
@@ -76,12 +78,6 @@ def test_a_cut_longer_than_the_watchdog_fails_the_request_at_the_watchdog():
     assert sim.c.failed == {"t1": "watchdog_expired"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a WRITE UCX failed (its route went in a 2 s cut) fails the transfer at once "
-    "(write_failed): the producer does not post it again while the lease and the "
-    "consumer's registration still hold the blocks",
-)
 def test_a_write_failed_by_a_short_cut_is_written_again_once_the_link_is_back():
     sim = registered()
     sim.ready("t1")
@@ -91,3 +87,89 @@ def test_a_write_failed_by_a_short_cut_is_written_again_once_the_link_is_back():
     sim.settle()
     assert sim.c.delivered == ["t1"]
     sim.check()
+
+
+def fail_the_write(sim: Sim) -> None:
+    """The WRITE in flight fails outright (UCX lost its route): nothing of it lands."""
+    assert "t1" in sim.writes
+    sim.finish_writes(ok=False)
+    sim.deliver()
+
+
+def test_a_write_that_keeps_failing_fails_write_failed_once_its_retries_run_out():
+    sim = registered()
+    sim.ready("t1")
+    for _ in range(E2E.write_retries):
+        fail_the_write(sim)
+        assert not sim.writes and sim.c.failed == {}  # it waits out its back-off
+        sim.advance(E2E.heartbeat_s)
+    fail_the_write(sim)
+    assert sim.c.failed == {"t1": "write_failed"}
+    assert sim.released == {"t1": "write_failed"}
+    retries = [c for c in sim.counted if c.name == "write_retries"]
+    assert len(retries) == E2E.write_retries
+    sim.advance(E2E.heartbeat_s * 2)
+    assert not sim.writes  # nothing more is posted
+    sim.settle()
+    sim.check()
+
+
+def test_no_retry_after_the_consumer_cancelled_during_the_back_off():
+    sim = registered()
+    sim.ready("t1")
+    fail_the_write(sim)
+    sim.abort_consumer("t1")  # decode's request ended: its registration with it
+    sim.deliver()
+    assert sim.released == {"t1": "aborted"}
+    sim.advance(E2E.heartbeat_s * 2)
+    assert not sim.writes
+    sim.settle()
+    assert sim.c.failed == {"t1": "aborted"}
+    sim.check()
+
+
+def test_no_retry_after_the_consumer_link_is_lost_during_the_back_off():
+    sim = registered()
+    sim.ready("t1")
+    fail_the_write(sim)
+    sim.kill_link()
+    assert sim.released == {"t1": "peer_lost"}
+    sim.advance(E2E.heartbeat_s * 2)
+    assert not sim.writes
+    sim.settle()
+    sim.check()
+
+
+def test_no_retry_after_the_registration_expired():
+    # A cut that lasts: every try fails, decode's heartbeats are lost, and the claim's
+    # registration (layers still to come) runs out between two tries, before silence_s.
+    config = dataclasses.replace(E2E, write_retries=100, registration_ttl_s=4)
+    sim = Sim(config=config, layers=2)
+    sim.expect("t1")
+    sim.deliver()
+    sim.ready("t1", layers=1)
+    sim.partitioned = True
+    while "t1" in sim.producer.books.sources:
+        if sim.writes:
+            sim.finish_writes(ok=False)
+        sim.advance(0.5)
+        assert sim.now < config.registration_ttl_s + 5
+    assert sim.released == {"t1": "registration_expired"}
+    sim.advance(config.heartbeat_s * 3)
+    assert not sim.writes  # the pending back-off posted nothing
+    heal(sim)
+    sim.settle()
+    sim.check()
+
+
+def test_no_retry_for_a_write_that_may_still_land():
+    # A WRITE given up on unfinished (timed out) may land yet: it is not posted again.
+    sim = registered()
+    sim.ready("t1")
+    sim.writes.pop("t1")
+    sim._run_producer(sim.producer.on_write_done("t1", sim.c.name, False, sim.now,
+                                                 "timed out", may_land=True))  # fmt: skip
+    sim.deliver()
+    assert sim.released == {"t1": "write_failed"}
+    sim.advance(E2E.heartbeat_s * 2)
+    assert not sim.writes

@@ -88,6 +88,7 @@ class Producer(Machine):
             Timer.REGISTRATION: lambda key, now: self.books.expire(
                 key, "registration_expired", now
             ),
+            Timer.REWRITE: lambda key, now: self.books.rewrite(self, key, now),
         }
         self._on_message: dict[type[Message], Callable[[str, Any, float], list[Action]]] = {
             Register: self._on_claim,

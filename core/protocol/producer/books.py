@@ -9,6 +9,7 @@ sources is in six bounded memories (kvpush.protocol.memory), one class for all.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from kvpush.protocol.actions import Action, ReleaseBlocks, Send
 from kvpush.protocol.config import ProtocolConfig
@@ -18,6 +19,9 @@ from kvpush.protocol.producer.claims import Claim
 from kvpush.protocol.producer.moves import ENDING, HEARTBEATING, MAY_HEARTBEAT, Event, State
 from kvpush.protocol.producer.source import Peer, Source
 from kvpush.protocol.timers import HEARTBEAT, Deadlines, Timer
+
+if TYPE_CHECKING:
+    from kvpush.protocol.producer import Producer
 
 
 class Books:
@@ -158,7 +162,7 @@ class Books:
 
     def _end(self, record: Source | Claim, outcome: str, now: float) -> list[Action]:
         record.fire(Event.END)
-        for timer in (Timer.LEASE, Timer.REGISTRATION):
+        for timer in (Timer.LEASE, Timer.REGISTRATION, Timer.REWRITE):
             self.deadlines.cancel((timer, record.key))
         source, tid = record.source, record.transfer_id
         if record.peer is not None:  # a claim: the source ends with its last one
@@ -204,6 +208,11 @@ class Books:
             # The consumer was told when it was abandoned; only the blocks are left.
             return self.end(record, record.reason, now)
         return self.end(record, reason, now, notify=True)
+
+    def rewrite(self, p: Producer, key: tuple[str, str], now: float) -> list[Action]:
+        """A failed WRITE's back-off is over: its claim, if still alive, posts it again."""
+        claim = self.claim_of(*key)
+        return claim.rewrite(p, now) if claim is not None else []
 
     def heartbeats(self, now: float) -> list[Action]:
         """Tell each consumer which of its claims are still being computed or written."""

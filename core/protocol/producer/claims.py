@@ -3,7 +3,9 @@ READ of ours). The kind is chosen once, by the message that claims, as the class
 the claim; what differs between the two is in their methods, not in branches.
 
 A push claim finishes when the WRITE that gives the consumer its last layer lands
-(Complete), or when it fails, once no WRITE of it is in flight. A pull claim
+(Complete), or when it fails, once no WRITE of it is in flight. A WRITE that fails
+outright is posted again, a heartbeat later, up to write_retries times, before the
+claim fails as write_failed. A pull claim
 finishes when the consumer releases its grant, or when the grant's lease runs out.
 """
 
@@ -32,7 +34,7 @@ from kvpush.protocol.messages import (
     Writing,
     encode_notif,
 )
-from kvpush.protocol.producer.cursor import WriteCursor
+from kvpush.protocol.producer.cursor import Run, WriteCursor
 from kvpush.protocol.producer.moves import PULL, PUSH, READABLE, WRITE_IN_FLIGHT, Event, State
 from kvpush.protocol.producer.source import Peer, Source
 from kvpush.protocol.states import EventTable
@@ -125,6 +127,10 @@ class Claim:
         """Whether WRITEs of this claim may still go into the consumer's blocks."""
         return False
 
+    def rewrite(self, p: Producer, now: float) -> list[Action]:
+        """A failed WRITE's back-off is over (push only)."""
+        return []
+
 
 @dataclass
 class PushClaim(Claim):
@@ -185,6 +191,16 @@ class PushClaim(Claim):
             # earlier WRITEs moved them all.
             complete = Complete(self.transfer_id, b"", self.nbytes, source.kv_ready_wall)
             return [Send(self.peer, complete)] + p.books.end(self, "sent", now)
+        return self._post(p, run, sources)
+
+    def rewrite(self, p: Producer, now: float) -> list[Action]:
+        """The back-off after a failed WRITE is over: post the same run again, into
+        the same blocks, which the claim still holds (else it would have ended)."""
+        if self.state != State.RETRYING or self.cursor.flight is None:
+            return []
+        return self._post(p, self.cursor.flight, self.pages(p))
+
+    def _post(self, p: Producer, run: Run, sources: list[int]) -> list[Action]:
         src, dst = p.moving(
             self.peer, sources[run.start : run.stop], self.destinations[run.start : run.stop]
         )
@@ -193,7 +209,7 @@ class PushClaim(Claim):
             return []
         self.fire(Event.POST)
         self.cursor.post(run)
-        notif = encode_notif(self.transfer_id, source.kv_ready_wall) if run.last else b""
+        notif = encode_notif(self.transfer_id, self.source.kv_ready_wall) if run.last else b""
         write = PostWrite(self.transfer_id, self.peer, src, dst, notif, run.layers)
         if self.told_writing:
             return [write]
@@ -224,6 +240,13 @@ class PushClaim(Claim):
     ) -> list[Action]:
         if self.state not in WRITE_IN_FLIGHT:
             return super().write_done(p, ok, now, detail, nbytes, may_land)
+        # A WRITE that failed outright (nothing of it can still land) goes again while
+        # the claim holds the blocks: a short cut takes UCX's route, not the claim.
+        outright = self.state == State.WRITING and not ok and not may_land
+        if outright and self.cursor.fail(p.config.write_retries):
+            self.fire(Event.WRITE_FAILED)
+            p.deadlines.set((Timer.REWRITE, self.key), now + p.config.heartbeat_s)
+            return [Counted("write_retries")]
         ended_as = self.state
         self.fire(Event.WRITE_DONE)  # nothing is in flight any more
         tid = self.transfer_id

@@ -37,6 +37,13 @@ class WriteCursor:
         self.blocks = 0  # leading positions written in every layer
         self.layers = 0  # layers written of the positions after those
         self.flight: Run | None = None
+        self.failures = 0  # of the run in flight, since it was first posted
+
+    def fail(self, retries: int) -> bool:
+        """The WRITE in flight failed, nothing of it landed: whether it may be posted
+        again (it stays the run in flight) within `retries` further tries."""
+        self.failures += 1
+        return self.failures <= retries
 
     def covers(self, count: int) -> bool:
         """Whether the first `count` positions are written in every layer."""
@@ -72,5 +79,6 @@ class WriteCursor:
         """The WRITE in flight landed: its run is written."""
         assert self.flight is not None
         run, self.flight = self.flight, None
+        self.failures = 0
         self.advance(run)
         return run

@@ -21,6 +21,7 @@ class State(enum.StrEnum):
     EARLY = "early"  # claimed before the engine had the request: nothing to heartbeat
     CLAIMED = "claimed"  # a consumer claimed it (push: its blocks; pull: a READ); idle
     WRITING = "writing"  # push: a WRITE is in flight
+    RETRYING = "retrying"  # push: a WRITE failed; it is posted again after a back-off
     CANCELLING = "cancelling"  # the consumer cancelled during a WRITE: ack when it ends
     FAILING = "failing"  # given up on during a WRITE: Failed when it ends
     GRANTED = "granted"  # pull: the consumer may READ the KV under a lease
@@ -36,6 +37,7 @@ class Event(enum.StrEnum):
     ENGINE = "engine"  # claim: the engine reported the request
     POST = "post"  # push: a WRITE is posted
     WRITE_DONE = "write done"  # push: the WRITE in flight is over
+    WRITE_FAILED = "write failed"  # push: the WRITE in flight failed; it will go again
     CANCEL = "cancel"  # the consumer cancelled while a WRITE is in flight
     GIVE_UP = "give up"  # given up on while a WRITE is in flight
     GRANT = "grant"  # pull: the consumer may READ the KV
@@ -58,12 +60,20 @@ SOURCE = EventTable(
 
 # A push claim. A WRITE in flight is never ended: its completion brings the claim
 # back to claimed first, so nothing releases blocks a WRITE still reads or lands in.
+# A WRITE that failed waits (retrying, nothing in flight) to be posted again; a
+# cancel, a loss or an expiry meanwhile ends the claim, and nothing is posted.
 PUSH = EventTable(
     "producer",
     {
         S.EARLY: {E.ENGINE: S.CLAIMED, E.END: S.ENDED},
         S.CLAIMED: {E.POST: S.WRITING, E.END: S.ENDED},
-        S.WRITING: {E.WRITE_DONE: S.CLAIMED, E.CANCEL: S.CANCELLING, E.GIVE_UP: S.FAILING},
+        S.WRITING: {
+            E.WRITE_DONE: S.CLAIMED,
+            E.WRITE_FAILED: S.RETRYING,
+            E.CANCEL: S.CANCELLING,
+            E.GIVE_UP: S.FAILING,
+        },
+        S.RETRYING: {E.POST: S.WRITING, E.END: S.ENDED},
         S.CANCELLING: {E.WRITE_DONE: S.CLAIMED, E.CANCEL: S.CANCELLING, E.GIVE_UP: S.CANCELLING},
         S.FAILING: {E.WRITE_DONE: S.CLAIMED, E.CANCEL: S.CANCELLING, E.GIVE_UP: S.FAILING},
     },
@@ -90,6 +100,6 @@ READABLE = (S.GRANTED, S.ABANDONED)
 # States that end on their own terms, whatever the consumer's heartbeats say.
 ENDING = (S.CANCELLING, S.FAILING, S.ABANDONED)
 # States whose consumer hears, by our heartbeats, that the KV is still coming.
-HEARTBEATING = (S.CLAIMED, *WRITE_IN_FLIGHT)
+HEARTBEATING = (S.CLAIMED, S.RETRYING, *WRITE_IN_FLIGHT)
 # States that may yet need heartbeats: the round keeps running while any is present.
 MAY_HEARTBEAT = (S.COMPUTING, S.EARLY, *HEARTBEATING)
