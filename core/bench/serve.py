@@ -96,8 +96,13 @@ class Settings:
     request_timeout_s: float = 120.0  # a request not answered by then failed (upstream hangs)
     workload: str = "fresh"  # "chat": kvpush.bench.chat's mix, its long prompts the length
     router_args: tuple[str, ...] = ()  # more `kvpush router` flags (push, pull)
+    fleet: tuple[str, ...] = ()  # fleet shapes, e.g. "1p2d": bench/fleet.py's run instead
 
     def __post_init__(self) -> None:
+        if self.fleet:  # its own configurations, checked there
+            from kvpush.bench import fleet
+
+            return fleet.check(self)
         unknown = sorted(set(self.configs) - set(CONFIGS))
         if unknown:
             raise KVPushError(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
