@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -221,10 +222,9 @@ class FleetBench(Bench):
             shutil.rmtree(workdir, ignore_errors=True)
         return self.report.results
 
-    def _fleet(self, name: str, workdir: Path, model: Path) -> list[FleetCell]:
+    def _fleet(self, name: str, workdir: Path, model: Path) -> Iterator[FleetCell]:
         s = self.settings
         deployment = FleetDeployment(name, s, workdir, model)
-        cells: list[FleetCell] = []
         try:
             self.report.step(f"{name}: starting")
             deployment.start()
@@ -239,10 +239,9 @@ class FleetBench(Bench):
                             cell = self._fleet_cell(deployment, config, placement, length, rate,
                                                     block)  # fmt: skip
                             self.report.add(cell)
-                            cells.append(cell)
+                            yield cell
         finally:
             deployment.stop()
-        return cells
 
     def _fleet_cell(self, deployment: FleetDeployment, config: str, placement: str,
                     length: int, rate: float, block: int) -> FleetCell:  # fmt: skip
@@ -261,6 +260,7 @@ class FleetBench(Bench):
             )
         deciders = deployment.deciders(config)
         hits0, queries0 = deployment.prefix_counters(deciders)
+        decided = deployment.decisions()  # the warm-up's, not the cell's
         started = time.monotonic()
         if broken:
             outcomes = [load.Outcome(False, error=broken)] * s.requests
@@ -277,7 +277,11 @@ class FleetBench(Bench):
         return FleetCell(**asdict(cell), fleet=deployment.config, prefix_hits=hits1 - hits0,
                          prefix_queries=queries1 - queries0,
                          best_hit_ratio=best_hit_ratio(batch, block),
-                         decisions=deployment.decisions())  # fmt: skip
+                         decisions=_less(deployment.decisions(), decided))  # fmt: skip
+
+
+def _less(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n for k, v in after.items() if (n := v - before.get(k, 0))}
 
 
 def markdown(cells: list[FleetCell]) -> str:
@@ -296,8 +300,8 @@ def markdown(cells: list[FleetCell]) -> str:
         hit = c.hit_ratio
         decisions = ", ".join(f"{k} {v}" for k, v in sorted(c.decisions.items())) or "—"
         rows.append(
-            f"| {c.fleet} | {c.placement} | {c.rate:g} | {c.config} | {_f(c.ttft_p50_ms)} "
-            f"| {_f(c.ttft_p99_ms)} | {_ratio(c.ttft_p50_ms, b)} | {_f(c.tpot_p50_ms)} "
+            f"| {c.fleet} | {c.placement} | {c.rate:g} | {c.config} | {_f1(c.ttft_p50_ms)} "
+            f"| {_f1(c.ttft_p99_ms)} | {_ratio(c.ttft_p50_ms, b)} | {_f(c.tpot_p50_ms)} "
             f"| {c.failures} | {c.mismatches} | {_pct(hit)} | {_pct(c.best_hit_ratio)} "
             f"| {_ratio(hit, c.best_hit_ratio)} | {decisions} |"
         )
@@ -328,7 +332,7 @@ def verdicts(cells: list[FleetCell]) -> list[str]:
                     a, b = getattr(mine, f"ttft_{q}_ms"), getattr(theirs, f"ttft_{q}_ms")
                     ok = a is not None and b is not None and a < b
                     lines.append(f"{_mark(ok)} {fleet} {placement} {rate:g}/s: decide TTFT {q} "
-                                 f"{_f(a)} < {other} {_f(b)}")  # fmt: skip
+                                 f"{_f1(a)} < {other} {_f1(b)}")  # fmt: skip
             hit, best = mine.hit_ratio, mine.best_hit_ratio
             ok = hit is not None and bool(best) and hit >= 0.8 * best  # type: ignore[operator]
             lines.append(f"{_mark(ok)} {fleet} {placement} {rate:g}/s: decide's decode prefix "
@@ -347,6 +351,10 @@ def _mark(ok: bool) -> str:
 
 def _f(value: float | None) -> str:
     return "—" if value is None else f"{value:.0f}"
+
+
+def _f1(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
 
 
 def _pct(value: float | None) -> str:

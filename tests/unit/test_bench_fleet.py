@@ -60,7 +60,12 @@ def test_decision_counts_are_keyed_by_path_and_reason():
         'kvpush_router_decisions_total{reason="long",path="disaggregated"} 3.0\n'
         "kvpush_router_prompt_tokens_total 100.0\n"
     )
-    assert fleet.decision_counts(text) == {"decode_alone/short": 5, "disaggregated/long": 3}
+    counts = fleet.decision_counts(text)
+    assert counts == {"decode_alone/short": 5, "disaggregated/long": 3}
+    # A cell's own: what the warm-up had decided before it is taken off.
+    assert fleet._less(counts, {"decode_alone/short": 2, "disaggregated/long": 3}) == {
+        "decode_alone/short": 3
+    }
 
 
 def test_the_best_hit_ratio_counts_shared_prefixes_in_whole_blocks_short_of_the_last_token():
@@ -96,11 +101,11 @@ def test_verdicts_say_met_only_where_decide_meets_each_target():
     ]
     lines = fleet.verdicts(cells)
     missed = [line for line in lines if line.startswith("missed")]
-    assert any("1/s: decide TTFT p50 105 < rr-aggregated 100" in line for line in missed)
-    assert any("4/s: decide TTFT p50 250 < disagg-all 200" in line for line in missed)
+    assert any("1/s: decide TTFT p50 105.0 < rr-aggregated 100.0" in line for line in missed)
+    assert any("4/s: decide TTFT p50 250.0 < disagg-all 200.0" in line for line in missed)
     assert any("4/s: decide's decode prefix hit 70 %" in line for line in missed)
     assert len(missed) == 3
     assert any(line.startswith("met") and "1.05x rr-aggregated" in line for line in lines)
     table = fleet.markdown(cells)
-    assert "| 1p2d | pinned | 1 | decide | 105 | 250 | 1.05 |" in table
+    assert "| 1p2d | pinned | 1 | decide | 105.0 | 250.0 | 1.05 |" in table
     assert "| 85 % | 100 % | 0.85 |" in table
