@@ -109,3 +109,29 @@ def test_verdicts_say_met_only_where_decide_meets_each_target():
     table = fleet.markdown(cells)
     assert "| 1p2d | pinned | 1 | decide | 105.0 | 250.0 | 1.05 |" in table
     assert "| 85 % | 100 % | 0.85 |" in table
+
+
+def test_the_command_line_runs_the_fleet_bench_with_its_own_configurations(monkeypatch, tmp_path):
+    from kvpush.cli import main
+
+    seen = []
+    monkeypatch.setattr(fleet, "main", lambda settings, out, as_json: seen.append(settings) or 0)
+    argv = ["bench", "serve", "--fleet", "1p2d,2p2d", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert seen[0].fleet == ("1p2d", "2p2d") and seen[0].configs == fleet.CONFIGS
+    assert main([*argv, "--configs", "plain"]) == 2  # not a fleet configuration: refused
+
+
+def test_a_fleet_deployment_makes_its_instances_and_lists_who_runs_decodes(tmp_path):
+    settings = serve.Settings(fleet=("2p2d",), configs=fleet.CONFIGS, lengths=(3072,))
+    deployment = fleet.FleetDeployment("2p2d", settings, tmp_path, tmp_path)
+    deployment.cluster.start = lambda *names, timeout=0: None  # no engines in a unit test
+    deployment.start()
+    servers = deployment.cluster.servers
+    assert sorted(servers) == ["decode0", "decode1", "prefill0", "prefill1"]
+    assert all(s.spec.env["VLLM_SERVER_DEV_MODE"] == "1" for s in servers.values())
+    assert servers["prefill1"].spec.core == "0" and servers["decode1"].spec.core == "1"
+    assert deployment.deciders("rr-aggregated") == list(servers)
+    assert (
+        deployment.deciders("decide") == deployment.deciders("disagg-all") == ["decode0", "decode1"]
+    )
