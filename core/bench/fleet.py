@@ -27,14 +27,10 @@ oracle the others' must match token for token.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import shutil
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -206,24 +202,13 @@ class FleetBench(Bench):
     """Per fleet: its instances once; per placement, configuration and cell, a fresh
     router over them and emptied caches."""
 
-    def run(self) -> list[Cell]:
-        from kvpush.demo.tinymodel import cached_tiny_model
+    def _runs(self) -> list[str]:
+        return list(self.settings.fleet)
 
-        self.out.mkdir(parents=True, exist_ok=True)
-        model = self.settings.model or cached_tiny_model()
-        workdir = Path(tempfile.mkdtemp(prefix="kvpush-bench-fleet-"))
-        try:
-            with (self.out / "results.jsonl").open("w") as lines:
-                for name in self.settings.fleet:
-                    for cell in self._fleet(name, workdir, model):
-                        lines.write(json.dumps(asdict(cell)) + "\n")
-                        lines.flush()
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        return self.report.results
-
-    def _fleet(self, name: str, workdir: Path, model: Path) -> Iterator[FleetCell]:
+    def _configuration(self, name: str, workdir: Path, model: Path) -> list[Cell]:
+        """A fleet's cells: its instances once, a router per cell."""
         s = self.settings
+        cells: list[Cell] = []
         deployment = FleetDeployment(name, s, workdir, model)
         try:
             self.report.step(f"{name}: starting")
@@ -239,9 +224,10 @@ class FleetBench(Bench):
                             cell = self._fleet_cell(deployment, config, placement, length, rate,
                                                     block)  # fmt: skip
                             self.report.add(cell)
-                            yield cell
+                            cells.append(cell)
         finally:
             deployment.stop()
+        return cells
 
     def _fleet_cell(self, deployment: FleetDeployment, config: str, placement: str,
                     length: int, rate: float, block: int) -> FleetCell:  # fmt: skip
@@ -334,7 +320,7 @@ def verdicts(cells: list[FleetCell]) -> list[str]:
                     lines.append(f"{_mark(ok)} {fleet} {placement} {rate:g}/s: decide TTFT {q} "
                                  f"{_f1(a)} < {other} {_f1(b)}")  # fmt: skip
             hit, best = mine.hit_ratio, mine.best_hit_ratio
-            ok = hit is not None and bool(best) and hit >= 0.8 * best  # type: ignore[operator]
+            ok = hit is not None and best is not None and hit >= 0.8 * best
             lines.append(f"{_mark(ok)} {fleet} {placement} {rate:g}/s: decide's decode prefix "
                          f"hit {_pct(hit)} >= 80 % of best {_pct(best)}")  # fmt: skip
         low, agg = by.get(("decide", rates[0])), by.get(("rr-aggregated", rates[0]))

@@ -392,8 +392,7 @@ class Bench:
         workdir = Path(tempfile.mkdtemp(prefix="kvpush-bench-serve-"))
         lines = (self.out / "results.jsonl").open("w")
         try:
-            # The plain instance first: its answers are the oracle.
-            for config in sorted(self.settings.configs, key=lambda c: c != "plain"):
+            for config in self._runs():
                 for cell in self._configuration(config, workdir, model):
                     lines.write(json.dumps(asdict(cell)) + "\n")
                     lines.flush()
@@ -433,7 +432,11 @@ class Bench:
             deployment.stop()
         return cells
 
-    # Where a variant (bench/across_serve.py) runs the configurations instead:
+    # Where a variant (bench/across_serve.py, bench/fleet.py) runs the configurations instead:
+
+    def _runs(self) -> list[str]:
+        """What the run starts in turn: the plain instance first, its answers the oracle."""
+        return sorted(self.settings.configs, key=lambda c: c != "plain")
 
     def _deployment(self, config: str, workdir: Path, model: Path) -> Deployment:
         return Deployment(config, self.settings, workdir, model)

@@ -106,6 +106,9 @@ def test_verdicts_say_met_only_where_decide_meets_each_target():
     assert any("4/s: decide's decode prefix hit 70 %" in line for line in missed)
     assert len(missed) == 3
     assert any(line.startswith("met") and "1.05x rr-aggregated" in line for line in lines)
+    # A trace that shares no prefix: nothing to hit, so no hit is the best there is.
+    nothing = [_cell("decide", 10, 20, 8.0, hits=(0, 100), best=0.0)]
+    assert any(line.startswith("met") and "hit 0 %" in line for line in fleet.verdicts(nothing))
     table = fleet.markdown(cells)
     assert "| 1p2d | pinned | 1 | decide | 105.0 | 250.0 | 1.05 |" in table
     assert "| 85 % | 100 % | 0.85 |" in table
