@@ -190,6 +190,11 @@ def _serve(benches: Any) -> None:
         "--router-args", action="append", default=[],
         help="extra `kvpush router` arguments for push and pull, e.g. '--disaggregate auto'",
     )  # fmt: skip
+    p.add_argument(
+        "--fleet", metavar="SHAPES",
+        help="fleets behind kvpush's router, e.g. 1p2d,2p2d; --configs then takes "
+        "rr-aggregated, disagg-all, decide (kvpush.bench.fleet, docs/router.md)",
+    )  # fmt: skip
     p.add_argument("--out", help="output directory (default: kvpush-bench-serve-<time>)")
     p.add_argument(
         "--across-namespaces",
@@ -227,7 +232,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         rates=args.rates,
         requests=args.requests,
         output_tokens=args.output_tokens,
-        configs=_names(args.configs) or serve.default_configs(),
+        configs=_names(args.configs) or _default_configs(args.fleet),
         placements=_names(args.placements),
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
@@ -242,15 +247,27 @@ def _run_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         workload=args.workload,
         router_args=tuple(arg for chunk in args.router_args for arg in chunk.split()),
+        fleet=_names(args.fleet or ""),
     )
     if args.link_rate and not args.across_namespaces:
         raise KVPushError("--link-rate caps the link --across-namespaces makes: give both")
+    if settings.fleet:
+        from kvpush.bench import fleet
+
+        return fleet.main(settings, _out(args.out, "serve"), args.json)
     if args.across_namespaces:
         from kvpush.bench import across_serve
 
         rates = tuple(args.link_rate or (None,))
         return across_serve.main(settings, rates, _out(args.out, "serve"), args.json)
     return serve.main(settings, _out(args.out, "serve"), args.json)
+
+
+def _default_configs(fleet: str | None) -> tuple[str, ...]:
+    from kvpush.bench import fleet as fleets
+    from kvpush.bench import serve
+
+    return fleets.CONFIGS if fleet else serve.default_configs()
 
 
 def _handoff(benches: Any) -> None:

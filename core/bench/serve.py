@@ -96,8 +96,13 @@ class Settings:
     request_timeout_s: float = 120.0  # a request not answered by then failed (upstream hangs)
     workload: str = "fresh"  # "chat": kvpush.bench.chat's mix, its long prompts the length
     router_args: tuple[str, ...] = ()  # more `kvpush router` flags (push, pull)
+    fleet: tuple[str, ...] = ()  # fleet shapes, e.g. "1p2d": bench/fleet.py's run instead
 
     def __post_init__(self) -> None:
+        if self.fleet:  # its own configurations, checked there
+            from kvpush.bench import fleet
+
+            return fleet.check(self)
         unknown = sorted(set(self.configs) - set(CONFIGS))
         if unknown:
             raise KVPushError(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
@@ -387,8 +392,7 @@ class Bench:
         workdir = Path(tempfile.mkdtemp(prefix="kvpush-bench-serve-"))
         lines = (self.out / "results.jsonl").open("w")
         try:
-            # The plain instance first: its answers are the oracle.
-            for config in sorted(self.settings.configs, key=lambda c: c != "plain"):
+            for config in self._runs():
                 for cell in self._configuration(config, workdir, model):
                     lines.write(json.dumps(asdict(cell)) + "\n")
                     lines.flush()
@@ -428,7 +432,11 @@ class Bench:
             deployment.stop()
         return cells
 
-    # Where a variant (bench/across_serve.py) runs the configurations instead:
+    # Where a variant (bench/across_serve.py, bench/fleet.py) runs the configurations instead:
+
+    def _runs(self) -> list[str]:
+        """What the run starts in turn: the plain instance first, its answers the oracle."""
+        return sorted(self.settings.configs, key=lambda c: c != "plain")
 
     def _deployment(self, config: str, workdir: Path, model: Path) -> Deployment:
         return Deployment(config, self.settings, workdir, model)

@@ -1,0 +1,364 @@
+"""`kvpush bench serve --fleet 1p2d,2p2d`: a fleet of kvpush instances behind
+`kvpush router`, routed three ways over the SAME instances:
+
+  rr-aggregated  every instance serves whole requests, none disaggregated: the router
+                 with `--disaggregate never` and every instance, prefill ones too,
+                 listed as a decode instance (least loaded, ties round robin). The
+                 router's hop stays in, so the three differ only in how they route.
+  disagg-all     every request disaggregated (`--disaggregate always`), placed as
+                 `kvpush router` places by default.
+  decide         the router's own decisions and pair placement
+                 (`--disaggregate auto --placement prefix`).
+
+A fleet's engines start once and serve every configuration; each cell gets a fresh
+router and starts with every prefix cache emptied (vLLM's `POST /reset_prefix_cache`,
+served in its dev mode), so no configuration finds what another left. Placements are
+serve.py's: colocated, then pinned (every prefill instance's tree on --prefill-cpus,
+every decode instance's on --decode-cpus).
+
+Beyond serve.py's cell, each records decode's prefix-cache hit ratio (vLLM's
+`vllm:prefix_cache_hits`/`queries` counters, summed over the instances that ran
+decodes, counted over the cell), the best ratio the cell's trace allows (one cache
+that saw every earlier request: `best_hit_ratio`), and the router's decisions by
+reason (`kvpush_router_decisions_total`). The first configuration's answers are the
+oracle the others' must match token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvpush.bench import chat, load
+from kvpush.bench.cpu import parse_cpus, pin_tree
+from kvpush.bench.progress import Progress
+from kvpush.bench.report import Report
+from kvpush.bench.serve import Bench, Cell, Deployment, Settings, summarize
+from kvpush.errors import KVPushError
+
+CONFIGS = ("rr-aggregated", "disagg-all", "decide")
+ROUTER_FLAGS = {
+    "rr-aggregated": ("--disaggregate", "never"),
+    "disagg-all": ("--disaggregate", "always"),
+    "decide": ("--disaggregate", "auto", "--placement", "prefix"),
+}
+DEFAULT_BLOCK_SIZE = 16  # when no instance says its own
+_SHAPE = re.compile(r"(\d+)p(\d+)d")
+
+
+def shape(name: str) -> tuple[int, int]:
+    """ "1p2d" -> (1 prefill, 2 decode instances)."""
+    found = _SHAPE.fullmatch(name.strip().lower())
+    if not found or min(int(found[1]), int(found[2])) < 1:
+        raise KVPushError(f"a fleet is NpMd with N, M >= 1 (e.g. 1p2d), not {name!r}")
+    return int(found[1]), int(found[2])
+
+
+def check(settings: Settings) -> None:
+    """What a fleet run cannot take, named."""
+    for name in settings.fleet:
+        shape(name)
+    unknown = sorted(set(settings.configs) - set(CONFIGS))
+    if unknown:
+        raise KVPushError(f"with --fleet, --configs takes {list(CONFIGS)}, not {unknown}")
+    if settings.attach:
+        raise KVPushError("--fleet starts its own instances: it takes no --attach")
+
+
+@dataclass
+class FleetCell(Cell):
+    fleet: str = ""
+    prefix_hits: int = 0  # decode instances' prefix-cache hits over the cell, in tokens
+    prefix_queries: int = 0
+    best_hit_ratio: float | None = None
+    decisions: dict[str, int] = field(default_factory=dict)  # "path/reason" -> count
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+
+
+def _counter(text: str, name: str) -> list[tuple[str, float]]:
+    """Each sample of counter `name` in a Prometheus text page: (labels, value)."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})?\s+(\S+)$", re.M)
+    return [(labels or "", float(value)) for labels, value in pattern.findall(text)]
+
+
+def prefix_counters(metrics_text: str) -> tuple[int, int]:
+    """(hits, queries) of vLLM's prefix cache, summed over its engines."""
+    hits = sum(v for _, v in _counter(metrics_text, "vllm:prefix_cache_hits"))
+    queries = sum(v for _, v in _counter(metrics_text, "vllm:prefix_cache_queries"))
+    return int(hits), int(queries)
+
+
+def decision_counts(metrics_text: str) -> dict[str, int]:
+    """kvpush_router_decisions_total by "path/reason"."""
+    counts: dict[str, int] = {}
+    for labels, value in _counter(metrics_text, "kvpush_router_decisions"):
+        said = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        key = f"{said.get('path', '?')}/{said.get('reason', '?')}"
+        counts[key] = counts.get(key, 0) + int(value)
+    return counts
+
+
+def best_hit_ratio(prompts: list[list[int]], block_size: int) -> float | None:
+    """The prefix-hit ratio of one cache that kept every earlier prompt: each prompt
+    hits its longest prefix shared with any earlier one, in whole blocks and short of
+    its last token (vLLM computes at least one), over all prompt tokens."""
+    total = sum(len(p) for p in prompts)
+    if not total:
+        return None
+    hits = 0
+    for i, prompt in enumerate(prompts):
+        shared = max((_common(prompt, earlier) for earlier in prompts[:i]), default=0)
+        hits += min(shared, len(prompt) - 1) // block_size * block_size
+    return hits / total
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+class FleetDeployment(Deployment):
+    """A fleet's instances, started once, and the router in front, one per cell."""
+
+    def __init__(self, name: str, settings: Settings, workdir: Path, model: Path) -> None:
+        super().__init__(name, settings, workdir, model)
+        self.prefills, self.decodes = shape(name)
+
+    def start(self) -> load.Target:
+        s = self.settings
+        kv = {**s.kv_extra, "mode": "push"}
+        roles = (("prefill", self.prefills, s.prefill_cpus, "kv_producer"),
+                 ("decode", self.decodes, s.decode_cpus, "kv_consumer"))  # fmt: skip
+        for role, count, cpus, kv_role in roles:
+            for i in range(count):
+                server = self.cluster.add_server(f"{role}{i}", kv_role, core=cpus, **kv)
+                self._fit(server)
+                server.spec.env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
+        self.cluster.start()
+        return self.target
+
+    def names(self, role: str) -> list[str]:
+        return [n for n in self.cluster.servers if n.startswith(role)]
+
+    def deciders(self, config: str) -> list[str]:
+        """The instances that run decodes (and whole requests) under `config`."""
+        return list(self.cluster.servers) if config == "rr-aggregated" else self.names("decode")
+
+    def route(self, config: str) -> load.Target:
+        """(Re)start the router as `config` routes; its target."""
+        url = self.cluster.start_router(
+            self.names("prefill"), self.deciders(config), mode="push",
+            flags=ROUTER_FLAGS[config] + self.settings.router_args,
+        )  # fmt: skip
+        self.target = load.Target(url)
+        return self.target
+
+    def pin(self) -> None:
+        s = self.settings
+        for name, pid in self.pids().items():
+            pin_tree(pid, parse_cpus(s.prefill_cpus if name.startswith("prefill")
+                                     else s.decode_cpus))  # fmt: skip
+
+    def reset_prefix_caches(self) -> None:
+        for name, server in self.cluster.servers.items():
+            request = urllib.request.Request(server.url + "/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(request, timeout=30) as response:
+                if response.status != 200:
+                    raise KVPushError(f"{name}: /reset_prefix_cache answered {response.status}")
+
+    def prefix_counters(self, names: list[str]) -> tuple[int, int]:
+        pairs = [prefix_counters(_get(self.cluster.servers[n].url + "/metrics")) for n in names]
+        return sum(h for h, _ in pairs), sum(q for _, q in pairs)
+
+    def decisions(self) -> dict[str, int]:
+        _, url = self.cluster.routers["router"]
+        return decision_counts(_get(url + "/metrics"))
+
+    def block_size(self) -> int:
+        for answer in self._ask_each("/query", routers=False).values():
+            if isinstance(answer, dict) and answer.get("block_size"):
+                return int(answer["block_size"])
+        return DEFAULT_BLOCK_SIZE
+
+
+class FleetBench(Bench):
+    """Per fleet: its instances once; per placement, configuration and cell, a fresh
+    router over them and emptied caches."""
+
+    def _runs(self) -> list[str]:
+        return list(self.settings.fleet)
+
+    def _configuration(self, name: str, workdir: Path, model: Path) -> list[Cell]:
+        """A fleet's cells: its instances once, a router per cell."""
+        s = self.settings
+        cells: list[Cell] = []
+        deployment = FleetDeployment(name, s, workdir, model)
+        try:
+            self.report.step(f"{name}: starting")
+            deployment.start()
+            block = deployment.block_size()
+            for placement in s.placements:
+                if placement == "pinned":
+                    deployment.pin()
+                for config in s.configs:
+                    for length in s.lengths:
+                        for rate in s.rates:
+                            self.report.step(f"{name} {placement} {config} {length} tok {rate:g}/s")
+                            cell = self._fleet_cell(deployment, config, placement, length, rate,
+                                                    block)  # fmt: skip
+                            self.report.add(cell)
+                            cells.append(cell)
+        finally:
+            deployment.stop()
+        return cells
+
+    def _fleet_cell(self, deployment: FleetDeployment, config: str, placement: str,
+                    length: int, rate: float, block: int) -> FleetCell:  # fmt: skip
+        s = self.settings
+        target = deployment.route(config)
+        broken = self._warm_up(target)
+        deployment.reset_prefix_caches()
+        # The same requests for every configuration of a placement (answers compare).
+        seed = s.seed + s.placements.index(placement) * 1_000_003 + length * 101 + int(rate * 1000)
+        if s.workload == "chat":
+            batch, send_at = chat.batch(s.requests, rate, seed, length)
+        else:
+            batch, send_at = (
+                load.prompts(s.requests, length, seed),
+                load.arrivals(s.requests, rate, seed),
+            )
+        deciders = deployment.deciders(config)
+        hits0, queries0 = deployment.prefix_counters(deciders)
+        decided = deployment.decisions()  # the warm-up's, not the cell's
+        started = time.monotonic()
+        if broken:
+            outcomes = [load.Outcome(False, error=broken)] * s.requests
+        else:
+            outcomes = asyncio.run(load.run(target, batch, send_at, s.output_tokens,
+                                            s.request_timeout_s))  # fmt: skip
+        seconds = time.monotonic() - started
+        hits1, queries1 = deployment.prefix_counters(deciders)
+        key = (deployment.config, placement, length, rate)
+        if config == s.configs[0]:
+            self.expected[key] = [o.token_ids for o in outcomes]  # type: ignore[index]
+        cell = summarize(config, placement, length, rate, outcomes,
+                         self.expected.get(key), seconds, s, {}, {})  # type: ignore[call-overload]  # fmt: skip
+        return FleetCell(**asdict(cell), fleet=deployment.config, prefix_hits=hits1 - hits0,
+                         prefix_queries=queries1 - queries0,
+                         best_hit_ratio=best_hit_ratio(batch, block),
+                         decisions=_less(deployment.decisions(), decided))  # fmt: skip
+
+
+def _less(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n for k, v in after.items() if (n := v - before.get(k, 0))}
+
+
+def markdown(cells: list[FleetCell]) -> str:
+    """A row per cell: TTFT p50/p99 (and p50 over rr-aggregated's), decode's prefix
+    hits against the trace's best, and the router's decisions."""
+    base = {(c.fleet, c.placement, c.prompt_len, c.rate): c.ttft_p50_ms for c in cells
+            if c.config == "rr-aggregated"}  # fmt: skip
+    rows = ["| fleet | placement | rate /s | config | TTFT p50 ms | TTFT p99 ms | p50 ÷ rr-agg "
+            "| TPOT p50 ms | failed | mismatched | decode prefix hit | best | hit ÷ best "
+            "| decisions |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    for c in sorted(cells, key=lambda c: (c.fleet, c.placement, c.prompt_len, c.rate,
+                                          order.get(c.config, 9))):  # fmt: skip
+        b = base.get((c.fleet, c.placement, c.prompt_len, c.rate))
+        hit = c.hit_ratio
+        decisions = ", ".join(f"{k} {v}" for k, v in sorted(c.decisions.items())) or "—"
+        rows.append(
+            f"| {c.fleet} | {c.placement} | {c.rate:g} | {c.config} | {_f1(c.ttft_p50_ms)} "
+            f"| {_f1(c.ttft_p99_ms)} | {_ratio(c.ttft_p50_ms, b)} | {_f(c.tpot_p50_ms)} "
+            f"| {c.failures} | {c.mismatches} | {_pct(hit)} | {_pct(c.best_hit_ratio)} "
+            f"| {_ratio(hit, c.best_hit_ratio)} | {decisions} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def verdicts(cells: list[FleetCell]) -> list[str]:
+    """Issue 44's targets, per fleet and placement: decide beats the other two on
+    TTFT p50 and p99 at every rate; at the lowest rate its p50 is within 1.10x
+    rr-aggregated's; its decode prefix hits are >= 80 % of the trace's best."""
+    lines = []
+    groups = sorted({(c.fleet, c.placement, c.prompt_len) for c in cells})
+    for fleet, placement, length in groups:
+        here = [
+            c for c in cells if (c.fleet, c.placement, c.prompt_len) == (fleet, placement, length)
+        ]
+        rates = sorted({c.rate for c in here})
+        by = {(c.config, c.rate): c for c in here}
+        for rate in rates:
+            mine = by.get(("decide", rate))
+            if mine is None:
+                continue
+            for other in ("disagg-all", "rr-aggregated"):
+                theirs = by.get((other, rate))
+                if theirs is None:
+                    continue
+                for q in ("p50", "p99"):
+                    a, b = getattr(mine, f"ttft_{q}_ms"), getattr(theirs, f"ttft_{q}_ms")
+                    ok = a is not None and b is not None and a < b
+                    lines.append(f"{_mark(ok)} {fleet} {placement} {rate:g}/s: decide TTFT {q} "
+                                 f"{_f1(a)} < {other} {_f1(b)}")  # fmt: skip
+            hit, best = mine.hit_ratio, mine.best_hit_ratio
+            ok = hit is not None and best is not None and hit >= 0.8 * best
+            lines.append(f"{_mark(ok)} {fleet} {placement} {rate:g}/s: decide's decode prefix "
+                         f"hit {_pct(hit)} >= 80 % of best {_pct(best)}")  # fmt: skip
+        low, agg = by.get(("decide", rates[0])), by.get(("rr-aggregated", rates[0]))
+        if low and agg and low.ttft_p50_ms and agg.ttft_p50_ms:
+            ratio = low.ttft_p50_ms / agg.ttft_p50_ms
+            lines.append(f"{_mark(ratio <= 1.10)} {fleet} {placement} {rates[0]:g}/s: decide "
+                         f"TTFT p50 {ratio:.2f}x rr-aggregated's (<= 1.10)")  # fmt: skip
+    return lines
+
+
+def _mark(ok: bool) -> str:
+    return "met   " if ok else "missed"
+
+
+def _f(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f}"
+
+
+def _f1(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.0f} %"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "—"
+
+
+def main(settings: Settings, out: Path, as_json: bool) -> int:
+    check(settings)
+    count = len(settings.fleet) * len(settings.placements) * len(settings.configs) * len(
+        settings.lengths) * len(settings.rates)  # fmt: skip
+    report = Report(as_json, Progress("kvpush bench serve --fleet", "cell", count))
+    cells = FleetBench(settings, out, report).run()
+    table = markdown(cells) + "\n" + "\n".join(verdicts(cells)) + "\n"
+    (out / "table.md").write_text(table)
+    report.finish(lambda _: print(table))
+    print(f"kvpush bench serve --fleet: results in {out}", file=sys.stderr)
+    return 1 if sum(c.failures + c.mismatches for c in cells) else 0

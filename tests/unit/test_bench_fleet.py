@@ -1,0 +1,140 @@
+"""`kvpush bench serve --fleet`: its shapes and configurations, the counters it reads
+from /metrics, the best prefix-hit ratio of a trace, and the targets it checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.bench import fleet, serve
+from kvpush.bench.load import Outcome
+from kvpush.errors import KVPushError
+
+
+def test_a_fleet_shape_is_prefill_and_decode_counts_and_bad_ones_are_named():
+    assert fleet.shape("1p2d") == (1, 2) and fleet.shape("2P2D") == (2, 2)
+    for bad in ("1p0d", "p2d", "2d1p", "1p2d3"):
+        with pytest.raises(KVPushError, match=bad):
+            fleet.shape(bad)
+
+
+def test_fleet_settings_take_only_the_fleet_configurations():
+    settings = serve.Settings(fleet=("1p2d",), configs=fleet.CONFIGS)
+    assert settings.configs == ("rr-aggregated", "disagg-all", "decide")
+    with pytest.raises(KVPushError, match="plain"):
+        serve.Settings(fleet=("1p2d",), configs=("plain", "decide"))
+    with pytest.raises(KVPushError, match="3x3"):
+        serve.Settings(fleet=("3x3",), configs=fleet.CONFIGS)
+    with pytest.raises(KVPushError, match="attach"):
+        serve.Settings(fleet=("1p2d",), configs=fleet.CONFIGS, attach={"push": "http://x"})
+
+
+def test_each_configuration_routes_the_way_its_name_says():
+    flags = {name: " ".join(f) for name, f in fleet.ROUTER_FLAGS.items()}
+    assert flags == {
+        "rr-aggregated": "--disaggregate never",
+        "disagg-all": "--disaggregate always",
+        "decide": "--disaggregate auto --placement prefix",
+    }
+
+
+METRICS = """\
+# HELP vllm:prefix_cache_queries Prefix cache queries
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 4096.0
+vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 2048.0
+vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
+vllm:gpu_prefix_cache_hits_total{engine="0"} 99.0
+"""
+
+
+def test_prefix_counters_sum_engines_and_skip_other_series():
+    # _created is a timestamp and gpu_ another metric: neither counts.
+    assert fleet.prefix_counters(METRICS) == (2048, 5096)
+    assert fleet.prefix_counters("") == (0, 0)
+
+
+def test_decision_counts_are_keyed_by_path_and_reason():
+    text = (
+        'kvpush_router_decisions_total{path="decode_alone",reason="short"} 5.0\n'
+        'kvpush_router_decisions_total{reason="long",path="disaggregated"} 3.0\n'
+        "kvpush_router_prompt_tokens_total 100.0\n"
+    )
+    counts = fleet.decision_counts(text)
+    assert counts == {"decode_alone/short": 5, "disaggregated/long": 3}
+    # A cell's own: what the warm-up had decided before it is taken off.
+    assert fleet._less(counts, {"decode_alone/short": 2, "disaggregated/long": 3}) == {
+        "decode_alone/short": 3
+    }
+
+
+def test_the_best_hit_ratio_counts_shared_prefixes_in_whole_blocks_short_of_the_last_token():
+    system = list(range(40))
+    prompts = [
+        system + [100] * 10,  # 50 tokens, nothing before it: 0
+        system + [100] * 10 + [7] * 14,  # 64 tokens, shares 50: 48 in blocks of 16
+        list(range(200, 220)),  # 20 fresh tokens: 0
+        system[:33],  # 33 tokens all seen: 32 (its last token is computed)
+    ]
+    assert fleet.best_hit_ratio(prompts, 16) == pytest.approx((48 + 32) / (50 + 64 + 20 + 33))
+    assert fleet.best_hit_ratio([], 16) is None
+
+
+def _cell(config: str, p50: float, p99: float, rate: float, hits=(0, 0), best=None):
+    outcomes = [Outcome(True, ttft=p50 / 1e3)] * 98 + [Outcome(True, ttft=p99 / 1e3)] * 2
+    base = serve.summarize(config, "pinned", 3072, rate, outcomes, None, 1.0,
+                           serve.Settings(configs=("push",)), {}, {})  # fmt: skip
+    from dataclasses import asdict
+
+    return fleet.FleetCell(**asdict(base), fleet="1p2d", prefix_hits=hits[0],
+                           prefix_queries=hits[1], best_hit_ratio=best)  # fmt: skip
+
+
+def test_verdicts_say_met_only_where_decide_meets_each_target():
+    cells = [
+        _cell("rr-aggregated", 100, 400, 1.0),
+        _cell("disagg-all", 150, 300, 1.0),
+        _cell("decide", 105, 250, 1.0, hits=(85, 100), best=1.0),  # p50 1.05x, hits 85 %
+        _cell("rr-aggregated", 300, 900, 4.0),
+        _cell("disagg-all", 200, 600, 4.0),
+        _cell("decide", 250, 500, 4.0, hits=(70, 100), best=1.0),  # p50 worse, hits 70 %
+    ]
+    lines = fleet.verdicts(cells)
+    missed = [line for line in lines if line.startswith("missed")]
+    assert any("1/s: decide TTFT p50 105.0 < rr-aggregated 100.0" in line for line in missed)
+    assert any("4/s: decide TTFT p50 250.0 < disagg-all 200.0" in line for line in missed)
+    assert any("4/s: decide's decode prefix hit 70 %" in line for line in missed)
+    assert len(missed) == 3
+    assert any(line.startswith("met") and "1.05x rr-aggregated" in line for line in lines)
+    # A trace that shares no prefix: nothing to hit, so no hit is the best there is.
+    nothing = [_cell("decide", 10, 20, 8.0, hits=(0, 100), best=0.0)]
+    assert any(line.startswith("met") and "hit 0 %" in line for line in fleet.verdicts(nothing))
+    table = fleet.markdown(cells)
+    assert "| 1p2d | pinned | 1 | decide | 105.0 | 250.0 | 1.05 |" in table
+    assert "| 85 % | 100 % | 0.85 |" in table
+
+
+def test_the_command_line_runs_the_fleet_bench_with_its_own_configurations(monkeypatch, tmp_path):
+    from kvpush.cli import main
+
+    seen = []
+    monkeypatch.setattr(fleet, "main", lambda settings, out, as_json: seen.append(settings) or 0)
+    argv = ["bench", "serve", "--fleet", "1p2d,2p2d", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert seen[0].fleet == ("1p2d", "2p2d") and seen[0].configs == fleet.CONFIGS
+    assert main([*argv, "--configs", "plain"]) == 2  # not a fleet configuration: refused
+
+
+def test_a_fleet_deployment_makes_its_instances_and_lists_who_runs_decodes(tmp_path):
+    settings = serve.Settings(fleet=("2p2d",), configs=fleet.CONFIGS, lengths=(3072,))
+    deployment = fleet.FleetDeployment("2p2d", settings, tmp_path, tmp_path)
+    deployment.cluster.start = lambda *names, timeout=0: None  # no engines in a unit test
+    deployment.start()
+    servers = deployment.cluster.servers
+    assert sorted(servers) == ["decode0", "decode1", "prefill0", "prefill1"]
+    assert all(s.spec.env["VLLM_SERVER_DEV_MODE"] == "1" for s in servers.values())
+    assert servers["prefill1"].spec.core == "0" and servers["decode1"].spec.core == "1"
+    assert deployment.deciders("rr-aggregated") == list(servers)
+    assert (
+        deployment.deciders("decide") == deployment.deciders("disagg-all") == ["decode0", "decode1"]
+    )
