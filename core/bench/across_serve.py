@@ -36,8 +36,8 @@ from kvpush.bench.serve import (
     Deployment,
     Settings,
     markdown,
-    plots,
 )
+from kvpush.bench.serve_report import plots
 from kvpush.errors import KVPushError
 from kvpush.netns import TwoHosts
 from kvpush.transport.ucx_report import TCP_ONLY, peer_lanes

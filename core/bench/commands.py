@@ -224,7 +224,7 @@ def _cpus_and_model(p: argparse.ArgumentParser, model_default: str) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kvpush.bench import serve
+    from kvpush.bench import serve, serve_report
 
     kv_extra = checked_kv_extra(args.kv_extra)
     settings = serve.Settings(
@@ -260,7 +260,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         rates = tuple(args.link_rate or (None,))
         return across_serve.main(settings, rates, _out(args.out, "serve"), args.json)
-    return serve.main(settings, _out(args.out, "serve"), args.json)
+    return serve_report.main(settings, _out(args.out, "serve"), args.json)
 
 
 def _default_configs(fleet: str | None) -> tuple[str, ...]:

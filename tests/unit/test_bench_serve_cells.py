@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpush.bench import load, serve
+from kvpush.bench import load, serve, serve_report
 from kvpush.bench.load import Outcome
 
 SETTINGS = serve.Settings(configs=("plain", "push"), slo_ttft_ms=100.0, slo_tpot_ms=10.0)
@@ -91,7 +91,7 @@ def test_every_plot_is_drawn_for_one_rate_and_for_several(tmp_path, rates):
         _cell(config, ms * rate, spans if config != "plain" else None, rate)
         for rate in rates for config, ms in (("plain", 20.0), ("push", 30.0), ("pull", 40.0))
     ]  # fmt: skip
-    written = serve.plots(cells, tmp_path)
+    written = serve_report.plots(cells, tmp_path)
     names = sorted(p.name for p in written)
     assert names == ["tpot-pinned.png", "ttft-cdf-pinned.png", "ttft-pinned.png",
                      "where-pinned.png"]  # fmt: skip

@@ -150,7 +150,7 @@ BAD_INVOCATIONS = [
 def test_a_bad_value_is_a_one_line_usage_error_naming_it(argv, named, capsys, monkeypatch):
     import kvpush.demo.main as demo
     import kvpush.router.app as app
-    from kvpush.bench import handoff, protocol, serve, soak, transfer
+    from kvpush.bench import handoff, protocol, serve_report, soak, transfer
     from kvpush.cli import main
 
     def started(*args, **kwargs):
@@ -159,7 +159,7 @@ def test_a_bad_value_is_a_one_line_usage_error_naming_it(argv, named, capsys, mo
     # A value let through must fail here, not start servers or a router that never ends.
     for module, name in ((app, "run"), (demo, "main")):
         monkeypatch.setattr(module, name, started)
-    for module in (handoff, protocol, serve, soak, transfer):
+    for module in (handoff, protocol, serve_report, soak, transfer):
         monkeypatch.setattr(module, "main", started)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
