@@ -39,6 +39,11 @@ class Outcome:
     wall: float = 0.0  # when it happened (time.time)
     ready_wall: float = 0.0  # delivered: when the producer's last prompt step ended
 
+    def said(self) -> str:
+        """Why it ended, as a trace or a client reads it: the reason, and its detail
+        where there is one."""
+        return ": ".join(part for part in (self.reason, self.detail) if part)
+
 
 @dataclass(frozen=True)
 class Settled:

@@ -416,7 +416,7 @@ class WorkerSide:
                 "kvpush: transfer %s for %s failed (%s) %s",
                 tid, request_id, outcome.reason, outcome.detail,
             )  # fmt: skip
-            self._noted.failed.setdefault(request_id, f"{outcome.reason}: {outcome.detail}")
+            self._noted.failed.setdefault(request_id, outcome.said())
             self._stats.data["failed"] += 1
 
     def worker_meta(self) -> KVPushWorkerMeta | None:
