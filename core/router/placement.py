@@ -75,10 +75,6 @@ def place_pair(
 ) -> tuple[object, object]:
     """The cheapest (prefill key, decode key); `pairs(p, d)`: whether the two may
     pair (where none may, every pair is scored and the caller refuses the pick)."""
-    costs = [
-        (pair_cost(w, prompt, p, d), (p.key, d.key))
-        for p in prefills
-        for d in decodes
-        if pairs is None or pairs(p.key, d.key)  # type: ignore[operator]
-    ] or [(pair_cost(w, prompt, p, d), (p.key, d.key)) for p in prefills for d in decodes]
-    return cheapest(costs, turn)  # type: ignore[return-value]
+    every = [(pair_cost(w, prompt, p, d), (p.key, d.key)) for p in prefills for d in decodes]
+    allowed = [c for c in every if pairs is None or pairs(*c[1])]  # type: ignore[operator]
+    return cheapest(allowed or every, turn)  # type: ignore[return-value]

@@ -99,8 +99,20 @@ class PrefixIndex:
             self.instances[url] = blocks
         return blocks
 
-    def cached_tokens(self, url: str, tokens: Sequence[int], block_size: int = 0) -> int:
-        return self.of(url, block_size).cached_tokens(tokens)
+    def cached_tokens(
+        self, url: str, tokens: Sequence[int], block_size: int = 0,
+        chains: dict[int, list[int]] | None = None,
+    ) -> int:  # fmt: skip
+        """How many leading tokens of a prompt `url` holds. `chains`: the prompt's
+        block names by block size, kept by the caller so that asking every instance
+        of one prompt hashes it once per block size."""
+        blocks = self.of(url, block_size)
+        if chains is None:
+            return blocks.cached_tokens(tokens)
+        names = chains.get(blocks.block_size)
+        if names is None:
+            names = chains[blocks.block_size] = chain(tokens, blocks.block_size)
+        return blocks.cached_tokens(tokens, names)
 
     def sent(self, url: str, tokens: Sequence[int], block_size: int = 0) -> None:
         """A prompt went to `url`: it holds its blocks after (unless events say)."""

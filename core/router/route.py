@@ -98,15 +98,16 @@ class Planner:
     ) -> Route:
         """Where a request goes; counted and logged with its reason."""
         size = None if tokens is None else len(tokens)
+        chains: dict[int, list[int]] = {}  # the prompt hashed once per block size
         if self.policy.placement == "prefix" and tokens is not None:
-            prefill, decode, decision = self._scored_route(tokens, avoid, pairs)
+            prefill, decode, decision = self._scored_route(tokens, avoid, pairs, chains)
         else:  # the least loaded pair, as the pools pick
             prefill = self.prefill.pick(avoid=avoid)
             decode = self.decode.pick(avoid=avoid, fits=lambda d: pairs(prefill, d))
-            decision = decide(self.policy.rule, size, self._cached(decode, tokens),
+            decision = decide(self.policy.rule, size, self._cached(decode, tokens, chains),
                               decode.outstanding, prefill.outstanding)  # fmt: skip
             prefill = prefill if decision.disaggregate else None
-        cached = self._cached(decode, tokens)
+        cached = self._cached(decode, tokens, chains)
         self.metrics.inc("router_decisions", path=decision.path, reason=decision.reason)
         if tokens is not None:
             self.metrics.inc("router_prompt_tokens", len(tokens))
@@ -116,16 +117,17 @@ class Planner:
         return Route(decode, prefill, decision, tokens, cached)
 
     def _scored_route(
-        self, tokens: list[int], avoid: Instance | None, pairs: Callable[[Instance, Instance], bool]
-    ) -> tuple[Instance | None, Instance, Decision]:
+        self, tokens: list[int], avoid: Instance | None,
+        pairs: Callable[[Instance, Instance], bool], chains: dict[int, list[int]],
+    ) -> tuple[Instance | None, Instance, Decision]:  # fmt: skip
         """Decode first, as if alone; the decision from what it holds; then, if
         disaggregated, the pair scored jointly."""
         w, size = self.policy.weights, len(tokens)
-        decodes = self._scored(self.decode.candidates(avoid=avoid), tokens)
-        prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens)
+        decodes = self._scored(self.decode.candidates(avoid=avoid), tokens, chains)
+        prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens, chains)
         decode: Any = place_alone(w, size, decodes, self.decode.turn())
         least_prefill = min(p.queue for p in prefills)
-        decision = decide(self.policy.rule, size, self._cached(decode, tokens),
+        decision = decide(self.policy.rule, size, self._cached(decode, tokens, chains),
                           decode.outstanding, least_prefill)  # fmt: skip
         if not decision.disaggregate:
             return None, decode, decision
@@ -141,13 +143,17 @@ class Planner:
             if instance is not None:
                 self.index.sent(instance.url, route.tokens, _block_size(instance))
 
-    def _cached(self, instance: Instance, tokens: list[int] | None) -> int:
+    def _cached(
+        self, instance: Instance, tokens: list[int] | None, chains: dict[int, list[int]]
+    ) -> int:
         if tokens is None:
             return 0
-        return self.index.cached_tokens(instance.url, tokens, _block_size(instance))
+        return self.index.cached_tokens(instance.url, tokens, _block_size(instance), chains)
 
-    def _scored(self, instances: list[Instance], tokens: list[int]) -> list[Candidate]:
-        return [Candidate(i, self._cached(i, tokens), i.outstanding) for i in instances]
+    def _scored(
+        self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]]
+    ) -> list[Candidate]:
+        return [Candidate(i, self._cached(i, tokens, chains), i.outstanding) for i in instances]
 
 
 def _block_size(instance: Instance) -> int:

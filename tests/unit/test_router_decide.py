@@ -217,3 +217,20 @@ def test_a_subscription_reads_vllms_wire_format_and_starts_over_after_a_gap():
         publisher.close(linger=0)
 
     asyncio.run(scenario())
+
+
+def test_one_prompt_asked_of_many_instances_is_hashed_once_per_block_size(monkeypatch):
+    from kvpush.router import prefix
+
+    calls = []
+    real = prefix.chain
+    monkeypatch.setattr(prefix, "chain", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    index = prefix.PrefixIndex()
+    tokens = list(range(64))
+    index.sent("a", tokens, 16)
+    calls.clear()
+    chains: dict[int, list[int]] = {}
+    held = [index.cached_tokens(url, tokens, 16, chains) for url in ("a", "b", "c")]
+    assert held == [64, 0, 0]
+    assert index.cached_tokens("d", tokens, 32, chains) == 0
+    assert calls == [16, 32]
