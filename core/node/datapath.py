@@ -144,21 +144,30 @@ class DataPath:
         self._retire(route.agent_peer)
 
     def _retire(self, agent_peer: str) -> None:
-        if any(f.transfer.peer == agent_peer for f in [*self.writes, *self.reads]):
+        if self._in_flight_to(agent_peer):
             return  # a transfer still uses its table: again when that one settles
-        for prepared in self._retiring.pop(agent_peer, ()):
-            try:
-                self.agent.release_list(prepared)
-            except Exception as exc:
-                log.debug("kvpush: releasing a gone peer's descriptor list: %s", exc)
+        self._release(self._retiring.pop(agent_peer, []))
         if not any(r.agent_peer == agent_peer for r in self.routes.values()):
             self._forget_agent(agent_peer)
 
     def _forget_agent(self, agent_peer: str) -> None:
         self._notifiers.pop(agent_peer, None)
+        self._remove_peer(agent_peer)
+
+    def _in_flight_to(self, agent_peer: str) -> bool:
+        return any(f.transfer.peer == agent_peer for f in [*self.writes, *self.reads])
+
+    def _release(self, lists: list[PreparedList]) -> None:
+        for prepared in lists:
+            try:
+                self.agent.release_list(prepared)
+            except Exception as exc:
+                log.debug("kvpush: releasing a NIXL descriptor list: %s", exc)
+
+    def _remove_peer(self, agent_peer: str) -> None:
         try:
             self.agent.remove_peer(agent_peer)
-        except TransportError as exc:
+        except TransportError as exc:  # already gone
             log.debug("kvpush: removing NIXL peer %s: %s", agent_peer, exc)
 
     def _reconnect(self, agent_peer: str) -> None:
@@ -167,20 +176,11 @@ class DataPath:
         the peer's metadata again, so the next post opens a fresh endpoint, and
         prepare its descriptor tables anew. Transfers still in flight to it keep the
         old endpoint: it waits until they settled."""
-        if agent_peer not in self._broken:
-            return
-        if any(f.transfer.peer == agent_peer for f in [*self.writes, *self.reads]):
+        if agent_peer not in self._broken or self._in_flight_to(agent_peer):
             return
         routes = [route for route in self.routes.values() if route.agent_peer == agent_peer]
-        for prepared in [r.prepared for r in routes] + self._retiring.pop(agent_peer, []):
-            try:
-                self.agent.release_list(prepared)
-            except Exception as exc:
-                log.debug("kvpush: releasing a broken peer's descriptor list: %s", exc)
-        try:
-            self.agent.remove_peer(agent_peer)
-        except TransportError as exc:  # already gone: loading it again is what matters
-            log.debug("kvpush: removing NIXL peer %s to reconnect: %s", agent_peer, exc)
+        self._release([r.prepared for r in routes] + self._retiring.pop(agent_peer, []))
+        self._remove_peer(agent_peer)  # loading it again is what matters
         self.agent.add_peer(routes[0].metadata)
         for route in routes:
             route.prepared = self.agent.prepare(route.table.rows, route.mem_type, agent_peer)
