@@ -4,10 +4,18 @@ It holds what moving bytes needs — each paired peer's descriptor table, the fe
 WRITE waits on, the blocks a consumer expects, the transfers in flight — and reports
 how each transfer ended as Settled records, without knowing the protocol machines.
 Everything here runs on the Node's loop thread (the NIXL agent is single-threaded).
+
+One consumer's WRITEs go one NIXL transfer at a time, the oldest kvpush transfer's
+first. Posted side by side, UCX moves them side by side on the one connection, so
+on a link slower than prefill every overlapping request's KV lands at the end of
+the burst; one at a time, each request's lands as soon as the link can carry it,
+and the link stays as busy (the next is posted as the last one's completion is
+polled).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -59,9 +67,8 @@ class _Part:
 class _InFlight:
     """One NIXL transfer and the kvpush transfers it carries, with their bytes.
 
-    A READ carries one; a WRITE carries every transfer one hand-off made ready for
-    the same consumer (a forward pass's batch), so a layer costs one post, not one
-    per request.
+    A READ carries one; a WRITE carries the WRITEs of one transfer waiting for the
+    same consumer (one, unless the machines asked for several at once).
     """
 
     transfer: Transfer
@@ -102,6 +109,10 @@ class DataPath:
         self._broken: set[str] = set()
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
+        # Link peer -> WRITEs waiting for the one in flight to it (the module's docstring).
+        self._queued: dict[str, list[act.PostWrite]] = {}
+        self._age: dict[str, int] = {}  # transfer -> order of its first WRITE: oldest first
+        self._ages = itertools.count()
         self._whole = tuple(units(kv.layout, split=False))
         self.local(self._whole)
 
@@ -211,7 +222,9 @@ class DataPath:
         return first
 
     def drop_fences(self, transfer_id: str) -> None:
+        """The producer let `transfer_id` go: no WRITE of it will be posted again."""
         self._fences.pop(transfer_id, None)
+        self._age.pop(transfer_id, None)
 
     def drop_expected(self, transfer_id: str) -> None:
         self._expected.pop(transfer_id, None)
@@ -234,14 +247,38 @@ class DataPath:
         return int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
-        """Post WRITEs: one NIXL transfer per consumer for all of them (up to a cap)."""
-        by_peer: dict[str, list[act.PostWrite]] = {}
+        """Post WRITEs to each consumer with none in flight; the rest wait their turn
+        (post_queued), in the order their transfers' first WRITEs came."""
         for write in writes:
-            by_peer.setdefault(write.peer, []).append(write)
+            self._age.setdefault(write.transfer_id, next(self._ages))
+            self._queued.setdefault(write.peer, []).append(write)
         settled: list[Settled] = []
-        for peer, group in by_peer.items():
-            for start in range(0, len(group), MAX_WRITES_PER_POST):
-                settled += self._post_write_group(peer, group[start : start + MAX_WRITES_PER_POST])
+        for peer in dict.fromkeys(write.peer for write in writes):
+            settled += self._post_next(peer)
+        return settled
+
+    def post_queued(self) -> list[Settled]:
+        """The next WRITEs to each consumer whose WRITE in flight ended: call it after
+        handing back what progress() settled, so that a transfer's follow-up WRITE,
+        posted then, goes before a younger transfer's."""
+        settled: list[Settled] = []
+        for peer in list(self._queued):
+            settled += self._post_next(peer)
+        return settled
+
+    def _post_next(self, peer: str) -> list[Settled]:
+        """While no WRITE to `peer` is in flight: post its oldest transfer's WRITEs as
+        one NIXL transfer (up to a cap). A post that failed, or finished inside the
+        call, leaves the peer idle: the next goes at once."""
+        settled: list[Settled] = []
+        while self._queued.get(peer) and not any(f.peer == peer for f in self.writes):
+            waiting = self._queued.pop(peer)
+            oldest = min(waiting, key=lambda w: self._age.get(w.transfer_id, -1)).transfer_id
+            group = [w for w in waiting if w.transfer_id == oldest][:MAX_WRITES_PER_POST]
+            rest = [w for w in waiting if all(w is not g for g in group)]
+            if rest:
+                self._queued[peer] = rest
+            settled += self._post_write_group(peer, group)
         return settled
 
     def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
@@ -337,7 +374,7 @@ class DataPath:
     # -- progress ----------------------------------------------------------------------
 
     def busy(self) -> bool:
-        """NIXL transfers of ours are in flight."""
+        """NIXL transfers of ours are in flight (a queued WRITE waits for one)."""
         return bool(self.writes or self.reads)
 
     def progress(self) -> list[Settled]:
@@ -417,6 +454,7 @@ class DataPath:
     def counts(self) -> dict[str, int]:
         return {
             "writes_in_flight": len(self.writes),
+            "writes_queued": sum(len(q) for q in self._queued.values()),
             "reads_in_flight": len(self.reads),
             "fences_held": len(self._fences),
         }
