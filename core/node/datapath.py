@@ -6,11 +6,11 @@ how each transfer ended as Settled records, without knowing the protocol machine
 Everything here runs on the Node's loop thread (the NIXL agent is single-threaded).
 
 One consumer's WRITEs go one NIXL transfer at a time, the oldest kvpush transfer's
-first. Posted side by side, UCX moves them side by side on the one connection, so
-on a link slower than prefill every overlapping request's KV lands at the end of
-the burst; one at a time, each request's lands as soon as the link can carry it,
-and the link stays as busy (the next is posted as the last one's completion is
-polled).
+first; WRITEs handed off together (one forward pass's) still share a post. Posted
+side by side, UCX moves them side by side on the one connection, so on a link
+slower than prefill every overlapping request's KV lands at the end of the burst;
+one at a time, each request's lands as soon as the link can carry it, and the link
+stays as busy (the next is posted as the last one's completion is polled).
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class _Part:
 class _InFlight:
     """One NIXL transfer and the kvpush transfers it carries, with their bytes.
 
-    A READ carries one; a WRITE carries the WRITEs of one transfer waiting for the
-    same consumer (one, unless the machines asked for several at once).
+    A READ carries one; a WRITE carries every transfer one hand-off made ready for
+    the same consumer (a forward pass's batch), so a layer costs one post, not one
+    per request.
     """
 
     transfer: Transfer
@@ -109,8 +110,9 @@ class DataPath:
         self._broken: set[str] = set()
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
-        # Link peer -> WRITEs waiting for the one in flight to it (the module's docstring).
-        self._queued: dict[str, list[act.PostWrite]] = {}
+        # Link peer -> hand-offs of WRITEs waiting for the one in flight to it (the
+        # module's docstring).
+        self._queued: dict[str, list[list[act.PostWrite]]] = {}
         self._age: dict[str, int] = {}  # transfer -> order of its first WRITE: oldest first
         self._ages = itertools.count()
         self._whole = tuple(units(kv.layout, split=False))
@@ -247,13 +249,16 @@ class DataPath:
         return int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
-        """Post WRITEs to each consumer with none in flight; the rest wait their turn
-        (post_queued), in the order their transfers' first WRITEs came."""
+        """Post a hand-off's WRITEs, one NIXL transfer per consumer for all of them
+        (up to a cap), to each consumer with none in flight; the others wait their
+        turn (post_queued), in the order their oldest transfers' first WRITEs came."""
+        by_peer: dict[str, list[act.PostWrite]] = {}
         for write in writes:
             self._age.setdefault(write.transfer_id, next(self._ages))
-            self._queued.setdefault(write.peer, []).append(write)
+            by_peer.setdefault(write.peer, []).append(write)
         settled: list[Settled] = []
-        for peer in dict.fromkeys(write.peer for write in writes):
+        for peer, group in by_peer.items():
+            self._queued.setdefault(peer, []).append(group)
             settled += self._post_next(peer)
         return settled
 
@@ -267,19 +272,27 @@ class DataPath:
         return settled
 
     def _post_next(self, peer: str) -> list[Settled]:
-        """While no WRITE to `peer` is in flight: post its oldest transfer's WRITEs as
-        one NIXL transfer (up to a cap). A post that failed, or finished inside the
-        call, leaves the peer idle: the next goes at once."""
+        """While no WRITE to `peer` is in flight: post the hand-off holding its oldest
+        transfer (up to a cap; the rest stays first in line). A post that failed, or
+        finished inside the call, leaves the peer idle: the next goes at once."""
         settled: list[Settled] = []
-        while self._queued.get(peer) and not any(f.peer == peer for f in self.writes):
-            waiting = self._queued.pop(peer)
-            oldest = min(waiting, key=lambda w: self._age.get(w.transfer_id, -1)).transfer_id
-            group = [w for w in waiting if w.transfer_id == oldest][:MAX_WRITES_PER_POST]
-            rest = [w for w in waiting if all(w is not g for g in group)]
-            if rest:
-                self._queued[peer] = rest
-            settled += self._post_write_group(peer, group)
+        waiting = self._queued.get(peer, [])
+        while waiting and not any(f.peer == peer for f in self.writes):
+            group = min(waiting, key=self._oldest)
+            waiting.remove(group)
+            group.sort(key=self._oldest_of)
+            if len(group) > MAX_WRITES_PER_POST:
+                waiting.append(group[MAX_WRITES_PER_POST:])
+            settled += self._post_write_group(peer, group[:MAX_WRITES_PER_POST])
+        if not waiting:
+            self._queued.pop(peer, None)
         return settled
+
+    def _oldest_of(self, write: act.PostWrite) -> int:
+        return self._age.get(write.transfer_id, -1)
+
+    def _oldest(self, group: list[act.PostWrite]) -> int:
+        return min(map(self._oldest_of, group))
 
     def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that

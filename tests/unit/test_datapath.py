@@ -139,19 +139,25 @@ def _share_agent(data: DataPath, peer: str = "decode:3") -> None:
     data.pair(peer, "decode-agent", _layout(0x900000), b"decode-agent", notifies=False)
 
 
-def test_one_transfers_writes_to_a_consumer_go_as_one_post_carrying_every_notification(path):
+def test_writes_handed_off_together_to_one_consumer_go_as_one_post_with_every_notification(
+    path,
+):
     data, agent, _, _ = path
-    assert data.post_writes([_write("a", notif=b"a1"), _write("a", (2, 3), notif=b"a2")]) == []
-    assert _notifs(agent) == [[b"a1", b"a2"]]
-    assert agent.posts[0][0].nbytes == 2 * 2 * LAYERS * BLOCK  # two WRITEs, two blocks each
+    assert data.post_writes([_write("a"), _write("b", (2, 3))]) == []
+    assert _notifs(agent) == [[b"a", b"b"]]
+    assert agent.posts[0][0].nbytes == 2 * 2 * LAYERS * BLOCK  # two transfers, two blocks each
 
 
-def test_a_batch_over_the_cap_is_split_into_several_posts(path, monkeypatch):
+def test_a_batch_over_the_cap_is_split_into_several_posts_one_after_another(path, monkeypatch):
     data, agent, _, _ = path
     monkeypatch.setattr(dp, "MAX_WRITES_PER_POST", 2)
+    data.post_writes([_write(t, (i,)) for i, t in enumerate("abcde")])
+    assert _notifs(agent) == [[b"a", b"b"]]
     agent.finish_on_post = True  # each post ends inside the call: the next goes at once
-    data.post_writes([_write("a", (i,), notif=b"a%d" % i) for i in range(5)])
-    assert _notifs(agent) == [[b"a0", b"a1"], [b"a2", b"a3"], [b"a4"]]
+    agent.state[0] = True
+    data.progress()
+    data.post_queued()
+    assert _notifs(agent) == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
 
 
 def test_a_consumers_writes_go_one_transfer_at_a_time_oldest_transfer_first(path):
@@ -167,11 +173,12 @@ def test_a_consumers_writes_go_one_transfer_at_a_time_oldest_transfer_first(path
     assert data.post_writes([_write("a", layers=(1, LAYERS), notif=b"a2")]) == []
     assert data.post_queued() == []
     assert _notifs(agent) == [[b"a"], [b"a2"]]
-    for handle in (1, 2, 3):
+    data.post_writes([_write("d", (4,)), _write("e", (5,))])  # one hand-off: one post
+    for handle in (1, 2, 3, 4):
         agent.state[handle] = True
         data.progress()
         data.post_queued()
-    assert _notifs(agent) == [[b"a"], [b"a2"], [b"b"], [b"c"]]
+    assert _notifs(agent) == [[b"a"], [b"a2"], [b"b"], [b"c"], [b"d", b"e"]]
     assert data.counts()["writes_queued"] == 0 and not data.busy()
 
 
@@ -186,11 +193,10 @@ def test_writes_to_different_consumers_do_not_wait_for_each_other(path):
 def test_a_write_whose_staging_fails_fails_alone(path):
     data, agent, backends, _ = path
     backends.bad_blocks = {5}
-    agent.finish_on_post = True
     settled = data.post_writes([_write("a"), _write("bad", (5,)), _write("c", (2,))])
-    assert [(s.transfer_id, s.ok) for s in settled] == [("a", True), ("bad", False), ("c", True)]
-    assert "staging copy failed" in settled[1].detail
-    assert _notifs(agent) == [[b"a"], [b"c"]]  # the failed one held nothing up
+    assert [(s.transfer_id, s.ok) for s in settled] == [("bad", False)]
+    assert "staging copy failed" in settled[0].detail
+    assert _notifs(agent) == [[b"a", b"c"]]
 
 
 def test_a_refused_post_fails_every_write_it_carried_and_leaves_nothing_in_flight(path):
