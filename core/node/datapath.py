@@ -273,14 +273,14 @@ class DataPath:
 
     def _post_next(self, peer: str) -> list[Settled]:
         """While no WRITE to `peer` is in flight: post the hand-off holding its oldest
-        transfer (up to a cap; the rest stays first in line). A post that failed, or
-        finished inside the call, leaves the peer idle: the next goes at once."""
+        transfer (up to a cap; the rest waits with the others). A post that failed,
+        or finished inside the call, leaves the peer idle: the next goes at once."""
         settled: list[Settled] = []
         waiting = self._queued.get(peer, [])
         while waiting and not any(f.peer == peer for f in self.writes):
             group = min(waiting, key=self._oldest)
             waiting.remove(group)
-            group.sort(key=self._oldest_of)
+            group.sort(key=self._age_of)
             if len(group) > MAX_WRITES_PER_POST:
                 waiting.append(group[MAX_WRITES_PER_POST:])
             settled += self._post_write_group(peer, group[:MAX_WRITES_PER_POST])
@@ -288,11 +288,11 @@ class DataPath:
             self._queued.pop(peer, None)
         return settled
 
-    def _oldest_of(self, write: act.PostWrite) -> int:
+    def _age_of(self, write: act.PostWrite) -> int:
         return self._age.get(write.transfer_id, -1)
 
     def _oldest(self, group: list[act.PostWrite]) -> int:
-        return min(map(self._oldest_of, group))
+        return min(map(self._age_of, group))
 
     def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that
@@ -467,7 +467,7 @@ class DataPath:
     def counts(self) -> dict[str, int]:
         return {
             "writes_in_flight": len(self.writes),
-            "writes_queued": sum(len(q) for q in self._queued.values()),
+            "writes_queued": sum(len(group) for q in self._queued.values() for group in q),
             "reads_in_flight": len(self.reads),
             "fences_held": len(self._fences),
         }
