@@ -11,6 +11,9 @@ side by side, UCX moves them side by side on the one connection, so on a link
 slower than prefill every overlapping request's KV lands at the end of the burst;
 one at a time, each request's lands as soon as the link can carry it, and the link
 stays as busy (the next is posted as the last one's completion is polled).
+The write grace counts from the hand-off, not the post: the consumer's landing
+bound promises that a WRITE the producer handed off lands (or is aborted) within
+it, so a WRITE that waited out its grace in the queue fails unposted.
 """
 
 from __future__ import annotations
@@ -110,9 +113,9 @@ class DataPath:
         self._broken: set[str] = set()
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
-        # Link peer -> hand-offs of WRITEs waiting for the one in flight to it (the
-        # module's docstring).
-        self._queued: dict[str, list[list[act.PostWrite]]] = {}
+        # Link peer -> hand-offs of WRITEs (when handed, what) waiting for the one in
+        # flight to it (the module's docstring).
+        self._queued: dict[str, list[tuple[float, list[act.PostWrite]]]] = {}
         self._age: dict[str, int] = {}  # transfer -> order of its first WRITE: oldest first
         self._ages = itertools.count()
         self._whole = tuple(units(kv.layout, split=False))
@@ -257,8 +260,9 @@ class DataPath:
             self._age.setdefault(write.transfer_id, next(self._ages))
             by_peer.setdefault(write.peer, []).append(write)
         settled: list[Settled] = []
+        handed = self.clock()
         for peer, group in by_peer.items():
-            self._queued.setdefault(peer, []).append(group)
+            self._queued.setdefault(peer, []).append((handed, group))
             settled += self._post_next(peer)
         return settled
 
@@ -278,12 +282,19 @@ class DataPath:
         settled: list[Settled] = []
         waiting = self._queued.get(peer, [])
         while waiting and not any(f.peer == peer for f in self.writes):
-            group = min(waiting, key=self._oldest)
-            waiting.remove(group)
+            handed, group = waiting.pop(
+                min(range(len(waiting)), key=lambda i: self._oldest(waiting[i][1]))
+            )
             group.sort(key=self._age_of)
             if len(group) > MAX_WRITES_PER_POST:
-                waiting.append(group[MAX_WRITES_PER_POST:])
-            settled += self._post_write_group(peer, group[:MAX_WRITES_PER_POST])
+                waiting.append((handed, group[MAX_WRITES_PER_POST:]))
+            group = group[:MAX_WRITES_PER_POST]
+            if self.clock() > handed + self.write_grace_s:
+                detail = (f"waited over {self.write_grace_s:g} s behind older transfers' "
+                          "WRITEs to this consumer; not posted")  # fmt: skip
+                settled += [Settled("WRITE", w.transfer_id, peer, False, detail) for w in group]
+                continue
+            settled += self._post_write_group(peer, group, handed)
         if not waiting:
             self._queued.pop(peer, None)
         return settled
@@ -294,7 +305,9 @@ class DataPath:
     def _oldest(self, group: list[act.PostWrite]) -> int:
         return min(map(self._age_of, group))
 
-    def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
+    def _post_write_group(
+        self, peer: str, group: list[act.PostWrite], handed: float
+    ) -> list[Settled]:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that
         cannot go fails alone, the rest still go."""
         route = self.routes.get(peer)
@@ -323,7 +336,7 @@ class DataPath:
             return settled
         assert route is not None
         try:
-            flight = self._post(self.writes, "WRITE", route, parts)
+            flight = self._post(self.writes, "WRITE", route, parts, handed)
         except Exception as exc:  # NIXL refused the post: nothing is in flight
             self._broken.add(route.agent_peer)
             failed = [Settled("WRITE", p.transfer_id, peer, False, str(exc)) for p in parts]
@@ -358,7 +371,16 @@ class DataPath:
         nbytes = int(local_table.rows[local_ids, 1].sum())
         return _Part(transfer_id, local_ids, remote_ids, nbytes, notif)
 
-    def _post(self, table: list[_InFlight], op: str, route: Route, parts: list[_Part]) -> _InFlight:
+    def _post(
+        self,
+        table: list[_InFlight],
+        op: str,
+        route: Route,
+        parts: list[_Part],
+        since: float | None = None,
+    ) -> _InFlight:
+        """Post one NIXL transfer; its grace runs from `since` (a WRITE's hand-off),
+        else from now."""
         _, local_list = self.local(route.local)
         local_ids = np.concatenate([part.local_ids for part in parts])
         remote_ids = np.concatenate([part.remote_ids for part in parts])
@@ -371,7 +393,8 @@ class DataPath:
         posted = self.clock()
         self.metrics.observe("post_seconds", posted - started)
         sizes = [(part.transfer_id, part.nbytes) for part in parts]
-        flight = _InFlight(transfer, route.peer, posted, started + self.write_grace_s, sizes)
+        deadline = (started if since is None else since) + self.write_grace_s
+        flight = _InFlight(transfer, route.peer, posted, deadline, sizes)
         table.append(flight)
         return flight
 
@@ -467,7 +490,7 @@ class DataPath:
     def counts(self) -> dict[str, int]:
         return {
             "writes_in_flight": len(self.writes),
-            "writes_queued": sum(len(group) for q in self._queued.values() for group in q),
+            "writes_queued": sum(len(writes) for q in self._queued.values() for _, writes in q),
             "reads_in_flight": len(self.reads),
             "fences_held": len(self._fences),
         }

@@ -182,6 +182,31 @@ def test_a_consumers_writes_go_one_transfer_at_a_time_oldest_transfer_first(path
     assert data.counts()["writes_queued"] == 0 and not data.busy()
 
 
+def test_a_write_that_waited_out_its_grace_in_the_queue_fails_unposted(path):
+    # The consumer's landing bound counts from the hand-off: a queued WRITE posted
+    # later could land in blocks the consumer has given back.
+    data, agent, _, clock = path
+    data.post_writes([_write("a")])
+    clock.now += 1.0
+    data.post_writes([_write("b", (2,))])
+    clock.now += 1.5  # "a" is past its grace; "b" waited 1.5 s of its 2
+    settled = data.progress()
+    assert [(s.transfer_id, s.ok, s.may_land) for s in settled] == [("a", False, True)]
+    assert data.post_queued() == []
+    assert _notifs(agent) == [[b"a"], [b"b"]]
+    clock.now += 0.6  # "b" was posted with what was left of its grace, not a new one
+    assert [(s.transfer_id, s.may_land) for s in data.progress()] == [("b", True)]
+    data.post_writes([_write("c", (3,))])
+    data.post_writes([_write("d", (4,))])
+    clock.now += 2.1
+    agent.state[2] = True
+    assert [s.transfer_id for s in data.progress()] == ["c"]
+    [late] = data.post_queued()
+    assert (late.transfer_id, late.ok, late.may_land) == ("d", False, False)
+    assert "not posted" in late.detail
+    assert _notifs(agent)[-1] == [b"c"] and data.counts()["writes_queued"] == 0
+
+
 def test_writes_to_different_consumers_do_not_wait_for_each_other(path):
     data, agent, _, _ = path
     data.pair("decode:2", "other-agent", _layout(0xA00000), b"other-agent", notifies=False)
