@@ -1,7 +1,8 @@
 """The soak's membership faults: instances drained and added at the router while
 requests are in flight, through `kvpush router`'s `/instances` (docs/router.md).
 
-  drain-prefill, drain-decode   DELETE the instance at the router and wait until the
+  drain-prefill, drain-decode   once the instance has requests in flight (at most
+                                BUSY_WAIT_S), DELETE it at the router and wait until the
                                 router forgets it (its requests in flight finished);
                                 then, for HOLD_S, it must get no request and come to
                                 hold nothing (`/kvpush/state` all 0); then POST it back:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from kvpush.demo.cluster import Cluster
 
 ACTIONS = ("drain", "add")
+BUSY_WAIT_S = 10.0  # the longest a drain waits for its instance to have requests in flight
 HOLD_S = 10.0  # after the router forgets a drained instance: nothing new may reach it
 HEALTH_INTERVAL_S = 5.0  # the router's --health-interval (the soak's router: its default)
 POLL_S = 0.2
@@ -100,8 +102,7 @@ class Injector:
 
     async def _drain(self, http: aiohttp.ClientSession, fault: Fault, role: str) -> None:
         url = self.cluster.servers[fault.target].url
-        listed = await self._listed(http)
-        in_flight = listed.get(url, {}).get("outstanding", 0)
+        in_flight = await self._busy(http, url)
         failed_before = await self._failed_legs(http, url)
         fault.start = self.clock()
         status, answer = await self._call(http, "DELETE", {"url": url})
@@ -187,6 +188,16 @@ class Injector:
                 return response.status, await response.json(content_type=None)
             except ValueError:
                 return response.status, text[:300]
+
+    async def _busy(self, http: aiohttp.ClientSession, url: str) -> int:
+        """Requests in flight on `url` at the router, once there are some (a drain of
+        an idle instance proves little), or none after BUSY_WAIT_S."""
+        waited = self.clock()
+        while True:
+            in_flight = (await self._listed(http)).get(url, {}).get("outstanding", 0)
+            if in_flight or self.clock() - waited > BUSY_WAIT_S:
+                return in_flight
+            await asyncio.sleep(POLL_S / 4)
 
     async def _listed(self, http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
         async with http.get(self.router + "/instances") as response:
