@@ -63,7 +63,8 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
 
 
 class Injector:
-    """Drains and adds instances at the router `router` of a soak's `cluster`.
+    """Drains and adds instances at the router `router` of a soak's `cluster`, while
+    the soak sends requests (`sent()`: how many so far).
     `roles` holds each role's instance names (an added one is appended: the soak
     watches it from then on); `configure(name, role)` sets a new server up in the
     cluster as the others of its role."""
@@ -75,6 +76,7 @@ class Injector:
         roles: dict[str, list[str]],
         configure: Callable[[str, str], Any],
         clock: Callable[[], float],
+        sent: Callable[[], int],
         settle_s: float,
         drain_limit_s: float,
         health_s: float = HEALTH_INTERVAL_S,
@@ -82,6 +84,7 @@ class Injector:
     ) -> None:
         self.cluster, self.router, self.roles = cluster, router, roles
         self.configure, self.clock = configure, clock
+        self.sent = sent  # how many requests the soak has sent so far
         self.settle_s = settle_s  # the longest a drained instance may take to hold nothing
         self.drain_limit_s = drain_limit_s  # the router forgets a drain this old regardless
         self.health_s, self.hold_s = health_s, hold_s
@@ -119,17 +122,17 @@ class Injector:
         await asyncio.sleep(max(0.0, forgotten + self.hold_s - self.clock()))
         new = await self._received(http, url) - seen
         still_listed = url in await self._listed(http)
-        served_s = await self._add_and_serve(http, fault.target, role)
+        served, serving = await self._add_and_serve(http, fault.target, role)
         fault.end = self.clock()
         fault.held = (
             drained_s < self.drain_limit_s and not failed and not new and not still_listed
-            and quiet_s is not None and served_s is not None
+            and quiet_s is not None and served
         )  # fmt: skip
         fault.note = (
             f"drained with {in_flight} in flight: forgotten after {drained_s:.1f}s, "
             f"{failed:g} of its legs failed meanwhile; then {new:g} new request(s) in "
             f"{self.hold_s:g}s{', STILL LISTED' if still_listed else ''}, "
-            f"{_seconds('quiet', quiet_s)}; added back, {_seconds('serving', served_s)}"
+            f"{_seconds('quiet', quiet_s)}; added back, {serving}"
         )
 
     async def _add(self, http: aiohttp.ClientSession, fault: Fault, role: str) -> None:
@@ -143,31 +146,31 @@ class Injector:
             raise
         self.roles[role].append(name)  # the soak watches it from now on
         fault.start = self.clock()  # the window opens when the router is told
-        served_s = await self._add_and_serve(http, name, role)
+        served, serving = await self._add_and_serve(http, name, role)
         fault.end = self.clock()
-        fault.held = served_s is not None
-        fault.note = (
-            f"new {role} instance up after {fault.start - started:.0f}s; added, "
-            f"{_seconds('serving', served_s)}"
-        )
+        fault.held = served
+        fault.note = f"new {role} instance up after {fault.start - started:.0f}s; added, {serving}"
 
     async def _add_and_serve(
         self, http: aiohttp.ClientSession, name: str, role: str
-    ) -> float | None:  # fmt: skip
-        """POST instance `name` to the router; seconds until it got a request, or None
-        if none came within one health interval."""
+    ) -> tuple[bool, str]:  # fmt: skip
+        """POST instance `name` to the router: whether it got a request within one
+        health interval, and what was seen. Where the soak sent none meanwhile (its
+        load was over) there was nothing to serve, which is no failure."""
         url = self.cluster.servers[name].url
         seen = await self._received(http, url)
         body = {"role": role, "url": url, "identity": self.cluster.identity_ports[name]}
         status, answer = await self._call(http, "POST", body)
         if status != 201:
             raise KVPushError(f"POST /instances answered {status}: {answer}")
-        posted = self.clock()
+        posted, sent = self.clock(), self.sent()
         while self.clock() - posted <= self.health_s:
             if await self._received(http, url) > seen:
-                return self.clock() - posted
+                return True, f"serving after {self.clock() - posted:.1f}s"
             await asyncio.sleep(POLL_S)
-        return None
+        if self.sent() == sent:
+            return True, f"not seen serving: the soak sent no request in {self.health_s:g}s"
+        return False, f"NOT serving {self.health_s:g}s on ({self.sent() - sent} sent meanwhile)"
 
     async def _quiet(self, name: str, since: float) -> float | None:
         """Seconds from `since` until instance `name` holds nothing, or None if it still

@@ -558,7 +558,7 @@ class Soak:
         injector = faultlib.Injector(self.cluster, s.stop_seconds, self.clock)
         members = membership_faults.Injector(
             self.cluster, self.router, {"prefill": self.prefill, "decode": self.decode},
-            self._configure, self.clock, s.stop_seconds, s.router_timeout_s,
+            self._configure, self.clock, lambda: self._sent, s.stop_seconds, s.router_timeout_s,
         )  # fmt: skip
         pick = faultlib.schedule(s.faults, self.prefill, self.decode, s.seed)
         while s.max_faults is None or len(self.faults) < s.max_faults:

@@ -4,6 +4,7 @@ and an add do at the router, what they check, and what their records say."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class StandInRouter:
         self.ignores_added = False
         self.refuses_drain = False
         self.reads = 0
+        self.sent = itertools.count()  # the soak's requests sent: one more at each look
 
     async def list_(self, request: web.Request) -> web.Response:
         self.reads += 1  # idle at first: requests come in flight on the third read
@@ -133,7 +135,7 @@ async def _run(fault: Fault, setup=None) -> tuple[Fault, StandInCluster, StandIn
         injector = membership_faults.Injector(
             cluster, str(router_server.make_url("")).rstrip("/"), roles,
             lambda name, role: configured.append((name, role)), time.monotonic,
-            settle_s=1.0, drain_limit_s=30.0, health_s=1.0, hold_s=0.2,
+            lambda: next(router.sent), settle_s=1.0, drain_limit_s=30.0, health_s=1.0, hold_s=0.2,
         )  # fmt: skip
         await injector.inject(fault)
     for server in servers:
@@ -204,6 +206,15 @@ def test_an_added_instance_that_gets_no_request_in_a_health_interval_fails():
 
     fault, *_ = asyncio.run(_run(Fault(1, "add-decode", "decode2", 0.0), ignores))
     assert fault.held is False and "NOT serving" in fault.note, fault.note
+
+
+def test_an_added_instance_is_not_blamed_for_no_request_when_none_was_sent():
+    def load_over(cluster, router):
+        router.ignores_added = True
+        router.sent = itertools.repeat(4000)
+
+    fault, *_ = asyncio.run(_run(Fault(1, "add-decode", "decode2", 0.0), load_over))
+    assert fault.held is True and "the soak sent no request" in fault.note, fault.note
 
 
 def test_adds_are_scheduled_on_the_next_new_name_of_their_role():
