@@ -120,12 +120,14 @@ class Injector:
         forgotten, seen = self.clock(), await self._received(http, url)
         quiet_s = await self._quiet(fault.target, forgotten)
         await asyncio.sleep(max(0.0, forgotten + self.hold_s - self.clock()))
+        # Below 0 where a request running at the first read was aborted (an abort is
+        # no finished request in vLLM's count): nothing new, as 0 is.
         new = await self._received(http, url) - seen
         still_listed = url in await self._listed(http)
         served, serving = await self._add_and_serve(http, fault.target, role)
         fault.end = self.clock()
         fault.held = (
-            drained_s < self.drain_limit_s and not failed and not new and not still_listed
+            drained_s < self.drain_limit_s and not failed and new <= 0 and not still_listed
             and quiet_s is not None and served
         )  # fmt: skip
         fault.note = (
