@@ -335,7 +335,9 @@ def _soak(benches: Any) -> None:
     p.add_argument(
         "--faults",
         help="fault kinds, injected in turn, of kill-prefill, kill-decode, stop-prefill, "
-        "stop-decode, cut, partition (as root: the servers in network namespaces) "
+        "stop-decode, cut, partition (as root: the servers in network namespaces), "
+        "drain-prefill, drain-decode (drained at the router, then added back), "
+        "add-prefill, add-decode (a new instance started and added) "
         "(default: kill-prefill,stop-decode,cut,kill-decode,stop-prefill)",
     )
     p.add_argument(

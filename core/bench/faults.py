@@ -15,6 +15,8 @@ Kinds (`--faults`, taken in turn, one every `--fault-interval` seconds):
                               as long as a stop, then up again; needs the servers in
                               network namespaces, as the soak puts them when it runs as
                               root with this kind (skipped otherwise, as a refused cut)
+  drain-prefill, drain-decode,  drain an instance at the router, or start a new one and
+  add-prefill, add-decode       add it (bench/membership_faults.py)
 
 A fault's window runs from its start until the instance serves again (restarted and
 healthy, resumed, healed, or at once for a cut), plus a grace for what it leaves behind (the
@@ -40,7 +42,9 @@ from kvpush.protocol.messages import REASONS
 if TYPE_CHECKING:
     from kvpush.demo.cluster import Cluster
 
-KINDS = ("kill-prefill", "kill-decode", "stop-prefill", "stop-decode", "cut", "partition")
+MEMBERSHIP_KINDS = ("drain-prefill", "drain-decode", "add-prefill", "add-decode")
+KINDS = ("kill-prefill", "kill-decode", "stop-prefill", "stop-decode", "cut", "partition",
+         *MEMBERSHIP_KINDS)  # fmt: skip
 DEFAULT_FAULTS = ("kill-prefill", "stop-decode", "cut", "kill-decode", "stop-prefill")
 
 # Words an error must carry to name its cause: the instance's role (the router says
@@ -59,6 +63,7 @@ class Fault:
     end: float | None = None  # when it served again; None: it never did
     note: str = ""
     skipped: bool = False  # could not be injected (the note says why)
+    held: bool | None = None  # a membership fault: whether its checks held
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +72,8 @@ class Fault:
         """The fault as a line of the fault log."""
         end = "never" if self.end is None else f"{self.end:.1f}s"
         state = "SKIPPED" if self.skipped else f"{self.start:.1f}s -> {end}"
-        return f"#{self.id} {self.kind} {self.target}: {state}  {self.note}".rstrip()
+        checks = {None: "", True: "checks held; ", False: "CHECKS FAILED; "}[self.held]
+        return f"#{self.id} {self.kind} {self.target}: {state}  {checks}{self.note}".rstrip()
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
@@ -82,11 +88,16 @@ def schedule(
     kinds: tuple[str, ...], prefill: list[str], decode: list[str], seed: int
 ) -> Callable[[int], tuple[str, str]]:
     """Fault i's kind and target instance: the kinds in turn, each on an instance of
-    its role drawn from `seed` (a cut or a partition is on a prefill instance)."""
+    its role drawn from `seed` (a cut or a partition is on a prefill instance). An add
+    names the instance it will start: the role's next number, `prefill` or `decode`
+    being the names so far, which an add extends."""
 
     def pick(i: int) -> tuple[str, str]:
         kind = kinds[i % len(kinds)]
-        pool = decode if kind.endswith("decode") else prefill
+        role = "decode" if kind.endswith("decode") else "prefill"
+        pool = decode if role == "decode" else prefill
+        if kind.startswith("add-"):
+            return kind, f"{role}{len(pool)}"
         return kind, pool[(seed + i // len(kinds)) % len(pool)]
 
     return pick
@@ -184,6 +195,19 @@ class Injector:
             fault.note = f"SKIPPED, and every later cut: {why}"
         else:
             fault.note = f"ss -K closed {cut} socket(s) on side-channel port(s) {ports}"
+
+
+def instance_state(cluster: Cluster, name: str) -> dict[str, Any]:
+    """Instance `name`'s /kvpush/state (transfers in flight, blocks held), or why not."""
+    import json
+    import urllib.request
+
+    try:
+        url = cluster.identity_url(name) + "/kvpush/state"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError) as exc:
+        return {"error": str(exc)}
 
 
 def side_channel_ports(identity_url: str) -> list[int]:

@@ -25,8 +25,8 @@ table.md, faults.log, logs/ (every server's and the router's log); a progress li
 on stderr while it runs.
 
 One module: the run's phases (warm-up, settling, load with faults,
-quiescence, the verdict) read in the order they run. Faults are bench/faults.py's,
-the load bench/load.py's.
+quiescence, the verdict) read in the order they run. Faults are bench/faults.py's and
+membership_faults.py's, the load load.py's, the table soak_table.py's.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from typing import Any
 import aiohttp
 
 from kvpush.bench import faults as faultlib
-from kvpush.bench import load, mix
+from kvpush.bench import load, membership_faults, mix
 from kvpush.bench.cpu import tree_footprint
 from kvpush.bench.progress import Progress
+from kvpush.bench.soak_table import markdown
 from kvpush.errors import KVPushError
 from kvpush.protocol.config import ProtocolConfig
 
@@ -297,6 +298,7 @@ def summarize(
         "every_failure_names_its_cause": not unnamed,
         "nothing_in_flight_or_held": all(i.quiet for i in instances),
         "rss_and_fds_within_10pct": all(i.within_tolerance for i in instances),
+        "membership_checks_held": all(f.held is not False for f in faults),
     }
     return {
         "type": "summary",
@@ -335,38 +337,6 @@ def _example(record: Record) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def markdown(summary: dict[str, Any]) -> str:
-    """The summary as two short tables and the fault list."""
-    o = summary["outcomes"]
-    skipped = sum(f["skipped"] for f in summary["faults"])
-    lines = [
-        "| requests | ok | failed | disconnected | hung | wrong / compared | unexplained "
-        "| cause not named | faults (skipped) | rate /s | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| {summary['requests']} | {o[OK]} | {o[FAILED]} | {o[DISCONNECTED]} | {o[HUNG]} "
-        f"| {summary['wrong']} / {summary['compared']} | {summary['unexplained_failures']} "
-        f"| {summary['failures_not_naming_cause']} | {len(summary['faults'])} ({skipped}) "
-        f"| {summary['rate']:g} | {summary['seconds']:g} |",
-        "",
-        "| instance | role | restarts | sending | producing | receiving | RSS MiB settled → end "
-        "| open files settled → end |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for i in summary["instances"]:
-        state = i["state"]
-        (rss0, rss1), (fds0, fds1) = i["rss_mib"], i["fds"]
-        lines.append(
-            f"| {i['name']} | {i['role']} | {i['restarts']} | {state.get('sending', '?')} "
-            f"| {state.get('producing', '?')} | {state.get('receiving', '?')} "
-            f"| {rss0:.0f} → {rss1:.0f} | {fds0} → {fds1} |"
-        )
-    lines.append("")
-    lines += [f"- fault {faultlib.Fault(**f).line()}" for f in summary["faults"]]
-    lines.append("")
-    lines += [f"- {'PASS' if ok else 'FAIL'} {name}" for name, ok in summary["targets"].items()]
-    return "\n".join(lines) + "\n"
-
-
 # -- the run ----------------------------------------------------------------------------
 
 
@@ -401,8 +371,8 @@ class Soak:
         self.hosts: Any = None  # kvpush.netns.TwoHosts, when the servers run in namespaces
         try:
             self._say("starting the servers")
-            router = self._deploy()
-            summary = asyncio.run(self._soak(router))
+            self.router = self._deploy()
+            summary = asyncio.run(self._soak(self.router))
         finally:
             self.cluster.stop()
             if self.hosts is not None:
@@ -416,19 +386,31 @@ class Soak:
         s, cluster = self.settings, self.cluster
         self.prefill = [f"prefill{i}" for i in range(s.prefill)]
         self.decode = [f"decode{i}" for i in range(s.decode)]
-        # Prefill on core 0 and decode on core 1, as the e2e tests place them; the
-        # reference idles through the run, on core 0.
-        for name in self.prefill:
-            cluster.add_server(name, "kv_producer", core=0, **s.connector)
-        for name in self.decode:
-            cluster.add_server(name, "kv_consumer", core=1, policy=s.policy, **s.connector)
-        cluster.add_server(PLAIN, None, core=0)
-        for server in cluster.servers.values():
-            server.spec.max_model_len = s.max_model_len
         if "partition" in s.faults and s.fault_interval_s > 0:
             self._on_two_hosts()
+        for role, names in (("prefill", self.prefill), ("decode", self.decode)):
+            for name in names:
+                self._configure(name, role)
+        cluster.add_server(PLAIN, None, core=0).spec.max_model_len = s.max_model_len
         cluster.start()
         return cluster.start_router(self.prefill, self.decode, timeout_s=s.router_timeout_s)
+
+    def _configure(self, name: str, role: str) -> None:
+        """Set kvpush instance `name` up as every one of its role, an added one too:
+        prefill on core 0 and decode on core 1, as the e2e tests place them (the
+        reference idles through the run on core 0), on its role's host if there are two."""
+        s = self.settings
+        if role == "prefill":
+            server = self.cluster.add_server(name, "kv_producer", core=0, **s.connector)
+        else:
+            server = self.cluster.add_server(
+                name, "kv_consumer", core=1, policy=s.policy, **s.connector
+            )
+        server.spec.max_model_len = s.max_model_len
+        if self.hosts is not None:
+            host = self.hosts.a if role == "prefill" else self.hosts.b
+            server.spec.host, server.spec.launcher = host.address, host.command([])
+            server.spec.env["UCX_TLS"] = "tcp,self"
 
     def _on_two_hosts(self) -> None:
         """Prefill instances on one simulated host, decode on another (network
@@ -447,11 +429,6 @@ class Soak:
             self._say(f"no network namespaces ({why}): partitions will be skipped")
             return
         self.hosts = TwoHosts(reachable=True).start()
-        for names, host in ((self.prefill, self.hosts.a), (self.decode, self.hosts.b)):
-            for name in names:
-                spec = self.cluster.servers[name].spec
-                spec.host, spec.launcher = host.address, host.command([])
-                spec.env["UCX_TLS"] = "tcp,self"
 
     async def _soak(self, router: str) -> dict[str, Any]:
         s = self.settings
@@ -579,6 +556,10 @@ class Soak:
         if s.fault_interval_s <= 0:
             return
         injector = faultlib.Injector(self.cluster, s.stop_seconds, self.clock)
+        members = membership_faults.Injector(
+            self.cluster, self.router, {"prefill": self.prefill, "decode": self.decode},
+            self._configure, self.clock, lambda: self._sent, s.stop_seconds, s.router_timeout_s,
+        )  # fmt: skip
         pick = faultlib.schedule(s.faults, self.prefill, self.decode, s.seed)
         while s.max_faults is None or len(self.faults) < s.max_faults:
             try:
@@ -590,7 +571,7 @@ class Soak:
             fault = faultlib.Fault(len(self.faults) + 1, kind, target, self.clock())
             self.faults.append(fault)
             self._now_fault = f"{kind} {target}"
-            await injector.inject(fault)
+            await (members if membership_faults.handles(kind) else injector).inject(fault)
             self._now_fault = ""
             self._log_fault(fault)
 
@@ -626,21 +607,11 @@ class Soak:
         names = self.prefill + self.decode
         deadline = time.monotonic() + self.settings.quiesce_s
         while True:
-            states = {name: self._state(name) for name in names}
+            states = {name: faultlib.instance_state(self.cluster, name) for name in names}
             quiet = all("error" not in st and not any(st.values()) for st in states.values())
             if quiet or time.monotonic() > deadline:
                 return states
             time.sleep(0.5)
-
-    def _state(self, name: str) -> dict[str, Any]:
-        import urllib.request
-
-        try:
-            url = self.cluster.identity_url(name) + "/kvpush/state"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                return json.loads(response.read())
-        except (OSError, ValueError) as exc:
-            return {"error": str(exc)}
 
     def _footprint(self, name: str) -> tuple[float, int]:
         process = self.cluster.servers[name].process
@@ -650,9 +621,13 @@ class Soak:
         return round(rss / 2**20, 1), fds
 
     def _instance(self, name: str, states: dict[str, dict]) -> Instance:
-        (rss0, fds0), (rss1, fds1) = self._baseline[name], self._footprint(name)
+        role, peers = ("prefill", self.prefill) if name in self.prefill else ("decode", self.decode)
+        # One added during the run is held to the highest level its role settled at.
+        settled = self._baseline.get(name) or max(
+            self._baseline[n] for n in peers if n in self._baseline
+        )
+        (rss0, fds0), (rss1, fds1) = settled, self._footprint(name)
         restarts = sum(1 for f in self.faults if f.target == name and f.kind.startswith("kill"))
-        role = "prefill" if name in self.prefill else "decode"
         return Instance(name, role, restarts, states[name], (rss0, rss1), (fds0, fds1))
 
     async def _reference(

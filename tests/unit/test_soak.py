@@ -149,7 +149,9 @@ def test_each_kind_of_trouble_fails_its_own_target():
         _record(4, FAILED, 100.0, 101.0, error=ROUTER_ERROR, openai_error=False),  # not shaped
         _record(5, OK, answer=["c"]),  # the plain instance failed it: not compared
     ]
-    fault_list = [_fault(1, 99.0, 120.0)]
+    # A drain whose instance still got requests after the router forgot it.
+    drain = Fault(2, "drain-decode", "decode1", 400.0, 420.0, held=False)
+    fault_list = [_fault(1, 99.0, 120.0), drain]
     soak.compare(records, {0: ["b"], 5: None})
     soak.explain(records, fault_list, grace_s=20.0)
     leaky = _instance(state={"sending": 0, "producing": 0, "receiving": 2})
