@@ -21,7 +21,7 @@ from kvpush.ports import ENV_PORTS, port_range
 # together rather than one waiting on the other.
 E2E_MINUTES = {
     "test_vllm_models.py": 9.2, "test_ray_pd.py": 5.0, "test_vllm_router.py": 5.3,
-    "test_vllm_push.py": 3.3, "test_vllm_soak.py": 4.0, "test_vllm_xpyd.py": 3.4,
+    "test_vllm_push.py": 3.3, "test_vllm_soak.py": 7.5, "test_vllm_xpyd.py": 3.4,
     "test_vllm_tensor_parallel.py": 3.4, "test_vllm_pull.py": 3.0,
     "test_bench_serve.py": 2.8, "test_vllm_preemption.py": 2.4,
     "test_vllm_upstream.py": 2.0, "test_vllm_overload.py": 1.6,
