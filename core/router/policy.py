@@ -65,7 +65,7 @@ def add_options(parser: Any) -> None:
         "the queues (KV events where an instance names kv_events=, else the router's index)",
     )  # fmt: skip
     parser.add_argument(
-        "--aggregate-on", type=roles, default=RoutingPolicy.aggregate_on, metavar="ROLES",
+        "--aggregate-on", type=roles, default="decode", metavar="ROLES",
         help="the instances a request not disaggregated runs on: decode (the default) or "
         "prefill,decode (prefill instances serve whole requests too, scored alike)",
     )  # fmt: skip
