@@ -66,7 +66,7 @@ def add_options(parser: Any) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--aggregate-on", type=roles, default="decode", metavar="ROLES",
-        help="the instances a request not disaggregated runs on: decode (the default) or "
+        help="the instances a request not disaggregated runs on: decode, or "
         "prefill,decode (prefill instances serve whole requests too, scored alike)",
     )  # fmt: skip
     parser.add_argument(
