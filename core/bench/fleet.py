@@ -7,8 +7,9 @@
                  router's hop stays in, so the three differ only in how they route.
   disagg-all     every request disaggregated (`--disaggregate always`), placed as
                  `kvpush router` places by default.
-  decide         the router's own decisions and pair placement
-                 (`--disaggregate auto --placement prefix`).
+  decide         the router's own decisions and pair placement, a request not
+                 disaggregated run whole on the best instance of either role
+                 (`--disaggregate auto --placement prefix --aggregate-on prefill,decode`).
 
 A fleet's engines start once and serve every configuration; each cell gets a fresh
 router and starts with every prefix cache emptied (vLLM's `POST /reset_prefix_cache`,
@@ -18,10 +19,12 @@ every decode instance's on --decode-cpus).
 
 Beyond serve.py's cell, each records decode's prefix-cache hit ratio (vLLM's
 `vllm:prefix_cache_hits`/`queries` counters, summed over the instances that ran
-decodes, counted over the cell), the best ratio the cell's trace allows (one cache
-that saw every earlier request: `best_hit_ratio`), and the router's decisions by
-reason (`kvpush_router_decisions_total`). The first configuration's answers are the
-oracle the others' must match token for token.
+decodes, counted over the cell: every instance for rr-aggregated and decide, whose
+prefill instances run whole requests too), the best ratio the cell's trace allows
+(one cache that saw every earlier request: `best_hit_ratio`), and the router's
+decisions by reason (`kvpush_router_decisions_total`) with where whole requests
+ran (`kvpush_router_whole_requests_total`, by role). The first configuration's
+answers are the oracle the others' must match token for token.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ CONFIGS = ("rr-aggregated", "disagg-all", "decide")
 ROUTER_FLAGS = {
     "rr-aggregated": ("--disaggregate", "never"),
     "disagg-all": ("--disaggregate", "always"),
-    "decide": ("--disaggregate", "auto", "--placement", "prefix"),
-}
+    "decide": ("--disaggregate", "auto", "--placement", "prefix",
+               "--aggregate-on", "prefill,decode"),
+}  # fmt: skip
 DEFAULT_BLOCK_SIZE = 16  # when no instance says its own
 _SHAPE = re.compile(r"(\d+)p(\d+)d")
 
@@ -97,12 +101,17 @@ def prefix_counters(metrics_text: str) -> tuple[int, int]:
 
 
 def decision_counts(metrics_text: str) -> dict[str, int]:
-    """kvpush_router_decisions_total by "path/reason"."""
+    """kvpush_router_decisions_total by "path/reason", and whole requests by the role
+    of the instance that ran them, "whole_on/role"."""
     counts: dict[str, int] = {}
-    for labels, value in _counter(metrics_text, "kvpush_router_decisions"):
-        said = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        key = f"{said.get('path', '?')}/{said.get('reason', '?')}"
-        counts[key] = counts.get(key, 0) + int(value)
+    keys = {
+        "kvpush_router_decisions": lambda said: f"{said.get('path')}/{said.get('reason')}",
+        "kvpush_router_whole_requests": lambda said: f"whole_on/{said.get('role')}",
+    }
+    for name, key_of in keys.items():
+        for labels, value in _counter(metrics_text, name):
+            key = key_of(dict(re.findall(r'(\w+)="([^"]*)"', labels)))
+            counts[key] = counts.get(key, 0) + int(value)
     return counts
 
 
@@ -159,7 +168,7 @@ class FleetDeployment(Deployment):
 
     def deciders(self, config: str) -> list[str]:
         """The instances that run decodes (and whole requests) under `config`."""
-        return list(self.cluster.servers) if config == "rr-aggregated" else self.names("decode")
+        return self.names("decode") if config == "disagg-all" else list(self.cluster.servers)
 
     def route(self, config: str) -> load.Target:
         """(Re)start the router as `config` routes; its target."""

@@ -261,8 +261,8 @@ class Router:
                 if not exc.retryable:
                     raise
                 self._eject(exc.instance)
-                pool = self.prefill if exc.instance.role == "prefill" else self.decode
-                if attempt or request.get(ANSWERED) or not pool.has_other(exc.instance):
+                elsewhere = self.planner.has_other(exc.instance, route)
+                if attempt or request.get(ANSWERED) or not elsewhere:
                     raise
                 failed = exc.instance
                 self.metrics.inc("retries", role=exc.instance.role)

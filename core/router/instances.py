@@ -156,7 +156,7 @@ class Pool:
         now = time.monotonic()
         open_ = [i for i in self.instances if not i.draining]
         if not open_:
-            raise NoInstance(f"every {self.instances[0].role} instance is draining")
+            raise NoInstance(f"every {self.what} is draining")
         suited = [i for i in open_ if fits is None or fits(i)] or open_
         others = [i for i in suited if i is not avoid] or suited
         return [i for i in others if i.available(now)] or others
@@ -167,6 +167,10 @@ class Pool:
         tied = [i for i in candidates if i.outstanding == least]
         return tied[self.turn() % len(tied)]
 
+    @property
+    def what(self) -> str:
+        return f"{self.instances[0].role} instance"
+
     def turn(self) -> int:
         return next(self._turn)
 
@@ -175,6 +179,24 @@ class Pool:
 
     def find(self, url: str) -> Instance | None:
         return next((i for i in self.instances if i.url == url), None)
+
+
+class Pools(Pool):
+    """Several pools picked from as one (the instances that may serve a whole
+    request: decode's, and prefill's with `--aggregate-on prefill,decode`). Their
+    instances are read at each pick, so members added or drained count at once."""
+
+    def __init__(self, pools: list[Pool]) -> None:
+        self.pools = pools
+        self._turn = itertools.count()
+
+    @property  # type: ignore[override]
+    def instances(self) -> list[Instance]:
+        return [i for pool in self.pools for i in pool.instances]
+
+    @property
+    def what(self) -> str:
+        return "instance serving whole requests"
 
 
 class NoInstance(ConfigError):

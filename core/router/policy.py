@@ -12,6 +12,7 @@ from kvpush.router.decide import RULES, DecisionRule
 from kvpush.router.placement import Weights
 
 PLACEMENTS = ("load", "prefix")
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,15 @@ class RoutingPolicy:
     rule: DecisionRule = field(default_factory=DecisionRule)
     placement: str = "load"  # "load": least loaded; "prefix": scored (placement.py)
     weights: Weights = field(default_factory=Weights)
+    # The roles whose instances serve a request that is not disaggregated, whole.
+    aggregate_on: tuple[str, ...] = ("decode",)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; known: {list(PLACEMENTS)}")
+        if not self.aggregate_on or set(self.aggregate_on) - set(ROLES):
+            raise ConfigError(f"aggregate on {list(self.aggregate_on)}? name one or both of "
+                              f"{list(ROLES)}")  # fmt: skip
 
     @property
     def needs_tokens(self) -> bool:
@@ -59,13 +65,27 @@ def add_options(parser: Any) -> None:
         "the queues (KV events where an instance names kv_events=, else the router's index)",
     )  # fmt: skip
     parser.add_argument(
+        "--aggregate-on", type=roles, default="decode", metavar="ROLES",
+        help="the instances a request not disaggregated runs on: decode, or "
+        "prefill,decode (prefill instances serve whole requests too, scored alike)",
+    )  # fmt: skip
+    parser.add_argument(
         "--instances-file", metavar="PATH",
         help="more instances, 'prefill SPEC' or 'decode SPEC' a line, read again each "
         "health interval: new lines are added, removed ones drained",
     )  # fmt: skip
 
 
+def roles(text: str) -> tuple[str, ...]:
+    """ "decode,prefill" -> ("prefill", "decode"): the roles named, in one order."""
+    named = {part.strip() for part in text.split(",") if part.strip()}
+    if not named or named - set(ROLES):
+        raise ConfigError(f"--aggregate-on takes decode or prefill,decode, not {text!r}")
+    return tuple(role for role in ROLES if role in named)
+
+
 def policy_of(args: Any) -> RoutingPolicy:
     rule = DecisionRule(args.disaggregate, args.min_uncached_tokens, args.alone_when_idle,
                         args.prefill_queue_gap)  # fmt: skip
-    return RoutingPolicy(rule, args.placement, Weights(queue_tokens=args.queue_tokens))
+    return RoutingPolicy(rule, args.placement, Weights(queue_tokens=args.queue_tokens),
+                         args.aggregate_on)  # fmt: skip

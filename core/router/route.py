@@ -5,6 +5,12 @@ prefix index (prefix.py) says each instance holds and the queues the router sees
 Without a rule that needs tokens and without prefix placement, nothing is asked:
 the least loaded instances are picked, as the pools pick them, and every request
 is disaggregated.
+
+A request not disaggregated runs whole on one instance: a decode instance, or with
+`aggregate_on` naming prefill too, any instance of either role, scored alike (the
+prefix it holds, its queue). Each instance's record in the index is kept by the
+requests it ran, whatever its role, so a session's next turn finds its prefix
+there.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import aiohttp
 
 from kvpush.metrics import Metrics
 from kvpush.router.decide import Decision, decide
-from kvpush.router.instances import Instance, Pool
+from kvpush.router.instances import Instance, Pool, Pools
 from kvpush.router.placement import Candidate, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import PrefixIndex
@@ -40,9 +46,11 @@ class Route:
     cached: int = 0  # prompt tokens the decode instance holds, as the index says
 
     def as_dict(self) -> dict[str, Any]:
-        """For the request's trace."""
+        """For the request's trace. `decode`: the instance that decodes (on a whole
+        request, possibly a prefill instance: `decode_role` says)."""
         return {"path": self.decision.path, "reason": self.decision.reason,
-                "decode": self.decode.url, "prefill": self.prefill and self.prefill.url,
+                "decode": self.decode.url, "decode_role": self.decode.role,
+                "prefill": self.prefill and self.prefill.url,
                 "prompt_tokens": None if self.tokens is None else len(self.tokens),
                 "cached_on_decode": self.cached}  # fmt: skip
 
@@ -54,6 +62,10 @@ class Planner:
     ) -> None:  # fmt: skip
         self.policy, self.prefill, self.decode = policy, prefill, decode
         self.index, self.metrics = index, metrics
+        pools = {"prefill": prefill, "decode": decode}
+        on = policy.aggregate_on
+        # Where a whole request may run; decode's own pool (its turns) when only it.
+        self.whole: Pool = decode if on == ("decode",) else Pools([pools[r] for r in on])
 
     async def tokens(
         self, http: aiohttp.ClientSession, endpoint: str, body: dict[str, Any],
@@ -104,11 +116,15 @@ class Planner:
         else:  # the least loaded pair, as the pools pick
             prefill = self.prefill.pick(avoid=avoid)
             decode = self.decode.pick(avoid=avoid, fits=lambda d: pairs(prefill, d))
-            decision = decide(self.policy.rule, size, self._cached(decode, tokens, chains),
-                              decode.outstanding, prefill.outstanding)  # fmt: skip
-            prefill = prefill if decision.disaggregate else None
+            whole = decode if self.whole is self.decode else self.whole.pick(avoid=avoid)
+            decision = decide(self.policy.rule, size, self._cached(whole, tokens, chains),
+                              whole.outstanding, prefill.outstanding)  # fmt: skip
+            if not decision.disaggregate:
+                prefill, decode = None, whole
         cached = self._cached(decode, tokens, chains)
         self.metrics.inc("router_decisions", path=decision.path, reason=decision.reason)
+        if not decision.disaggregate:
+            self.metrics.inc("router_whole_requests", role=decode.role)
         if tokens is not None:
             self.metrics.inc("router_prompt_tokens", len(tokens))
             self.metrics.inc("router_decode_cached_tokens", cached)
@@ -120,20 +136,30 @@ class Planner:
         self, tokens: list[int], avoid: Instance | None,
         pairs: Callable[[Instance, Instance], bool], chains: dict[int, list[int]],
     ) -> tuple[Instance | None, Instance, Decision]:  # fmt: skip
-        """Decode first, as if alone; the decision from what it holds; then, if
-        disaggregated, the pair scored jointly."""
+        """The instance for the whole request first; the decision from what it holds
+        and its queue; then, if disaggregated, the pair scored jointly."""
         w, size = self.policy.weights, len(tokens)
-        decodes = self._scored(self.decode.candidates(avoid=avoid), tokens, chains)
+        wholes = self._scored(self.whole.candidates(avoid=avoid), tokens, chains)
         prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens, chains)
-        decode: Any = place_alone(w, size, decodes, self.decode.turn())
+        whole: Any = place_alone(w, size, wholes, self.whole.turn())
         least_prefill = min(p.queue for p in prefills)
-        decision = decide(self.policy.rule, size, self._cached(decode, tokens, chains),
-                          decode.outstanding, least_prefill)  # fmt: skip
+        decision = decide(self.policy.rule, size, self._cached(whole, tokens, chains),
+                          whole.outstanding, least_prefill)  # fmt: skip
         if not decision.disaggregate:
-            return None, decode, decision
+            return None, whole, decision
+        decodes = wholes
+        if self.whole is not self.decode:
+            decodes = self._scored(self.decode.candidates(avoid=avoid), tokens, chains)
         prefill, decode = place_pair(w, size, prefills, decodes, pairs,
-                                               self.prefill.turn())  # fmt: skip
+                                     self.prefill.turn())  # fmt: skip
         return prefill, decode, decision  # type: ignore[return-value]
+
+    def has_other(self, instance: Instance, route: Route) -> bool:
+        """Whether a request that failed on `instance` may be retried elsewhere: on
+        an instance of its role, or for a whole request, any that serves them."""
+        if route.prefill is None:
+            return self.whole.has_other(instance)
+        return (self.prefill if instance.role == "prefill" else self.decode).has_other(instance)
 
     def sent(self, route: Route) -> None:
         """A route was taken: the index learns what its instances now hold."""

@@ -99,6 +99,35 @@ def test_a_sessions_turns_go_to_the_decode_holding_its_prefix(cluster, client, s
         cluster.stop_router("sessions")
 
 
+def test_with_aggregate_on_prefill_the_prefill_instance_serves_whole_requests_and_sessions(
+    cluster, client, single
+):
+    """Two sessions of short turns, one after the other: the first goes to the prefill
+    instance (equal scores go round robin, prefill's first), the second to decode, and
+    each next turn to where its prefix is, the prefill instance's learnt from the
+    whole requests it ran."""
+    flags = ("--disaggregate", "auto", "--min-uncached-tokens", "1024", "--placement",
+             "prefix", "--aggregate-on", "prefill,decode")  # fmt: skip
+    router = cluster.start_router(["prefill"], ["decode"], name="whole", flags=flags)
+    try:
+        sessions = {seed: prompt(300, seed) for seed in (4800, 4900)}
+        where: dict[int, set[tuple[str, str]]] = {seed: set() for seed in sessions}
+        for turn in range(3):
+            for seed, history in sessions.items():
+                if turn:
+                    history += prompt(40, seed + turn)
+                assert client.tokens(router, history) == client.tokens(single, history)
+                route = _route(client, router)
+                assert route["path"] == "decode_alone", route
+                where[seed].add((route["decode"], route["decode_role"]))
+        assert all(len(places) == 1 for places in where.values()), where
+        assert {role for places in where.values() for _, role in places} == {"prefill", "decode"}
+        assert client.metric(router, "kvpush_router_whole_requests_total", 'role="prefill"') == 3
+        _nothing_held(client, cluster, ["prefill", "decode"])
+    finally:
+        cluster.stop_router("whole")
+
+
 def test_an_added_decode_is_used_and_a_drained_one_finishes_its_load(
     cluster, client, single, decode2
 ):

@@ -33,7 +33,7 @@ def test_each_configuration_routes_the_way_its_name_says():
     assert flags == {
         "rr-aggregated": "--disaggregate never",
         "disagg-all": "--disaggregate always",
-        "decide": "--disaggregate auto --placement prefix",
+        "decide": "--disaggregate auto --placement prefix --aggregate-on prefill,decode",
     }
 
 
@@ -59,12 +59,14 @@ def test_decision_counts_are_keyed_by_path_and_reason():
         'kvpush_router_decisions_total{path="decode_alone",reason="short"} 5.0\n'
         'kvpush_router_decisions_total{reason="long",path="disaggregated"} 3.0\n'
         "kvpush_router_prompt_tokens_total 100.0\n"
+        'kvpush_router_whole_requests_total{role="prefill"} 2.0\n'
     )
     counts = fleet.decision_counts(text)
-    assert counts == {"decode_alone/short": 5, "disaggregated/long": 3}
+    assert counts == {"decode_alone/short": 5, "disaggregated/long": 3, "whole_on/prefill": 2}
     # A cell's own: what the warm-up had decided before it is taken off.
     assert fleet._less(counts, {"decode_alone/short": 2, "disaggregated/long": 3}) == {
-        "decode_alone/short": 3
+        "decode_alone/short": 3,
+        "whole_on/prefill": 2,
     }
 
 
@@ -134,7 +136,6 @@ def test_a_fleet_deployment_makes_its_instances_and_lists_who_runs_decodes(tmp_p
     assert sorted(servers) == ["decode0", "decode1", "prefill0", "prefill1"]
     assert all(s.spec.env["VLLM_SERVER_DEV_MODE"] == "1" for s in servers.values())
     assert servers["prefill1"].spec.core == "0" and servers["decode1"].spec.core == "1"
-    assert deployment.deciders("rr-aggregated") == list(servers)
-    assert (
-        deployment.deciders("decide") == deployment.deciders("disagg-all") == ["decode0", "decode1"]
-    )
+    # decide runs whole requests on prefill instances too: their caches count.
+    assert deployment.deciders("rr-aggregated") == deployment.deciders("decide") == list(servers)
+    assert deployment.deciders("disagg-all") == ["decode0", "decode1"]

@@ -4,7 +4,9 @@ vLLM's own classes where vLLM is installed)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -15,7 +17,7 @@ from kvpush.router.decide import DecisionRule, decide
 from kvpush.router.instances import Instance, Pool
 from kvpush.router.kv_events import Subscription, apply
 from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
-from kvpush.router.policy import RoutingPolicy
+from kvpush.router.policy import RoutingPolicy, add_options, policy_of, roles
 from kvpush.router.prefix import Blocks, PrefixIndex, chain
 from kvpush.router.route import Planner
 
@@ -234,3 +236,93 @@ def test_one_prompt_asked_of_many_instances_is_hashed_once_per_block_size(monkey
     assert held == [64, 0, 0]
     assert index.cached_tokens("d", tokens, 32, chains) == 0
     assert calls == [16, 32]
+
+
+def _fleet(aggregate_on, placement="prefix", rule=AUTO):
+    """A planner over one prefill and two decode instances, and its counters."""
+    prefill = Pool([Instance("http://p:1", "prefill")])
+    decode = Pool([Instance("http://d:1", "decode"), Instance("http://d:2", "decode")])
+    metrics = Metrics()
+    policy = RoutingPolicy(rule, placement, aggregate_on=aggregate_on)
+    return Planner(policy, prefill, decode, PrefixIndex(), metrics), metrics
+
+
+def _whole_where(planner, prompt):
+    route = planner.plan(prompt, None, lambda p, d: True)
+    assert route.prefill is None, route.as_dict()
+    planner.sent(route)
+    return route.decode
+
+
+def test_a_whole_request_may_run_on_an_idle_prefill_instance_while_decodes_are_busy():
+    for aggregate_on, role in ((("decode",), "decode"), (("prefill", "decode"), "prefill")):
+        planner, metrics = _fleet(aggregate_on)
+        for d in planner.decode.instances:
+            d.outstanding = 1
+        assert _whole_where(planner, list(range(300))).role == role
+        assert metrics.counter("router_whole_requests", role=role) == 1
+        assert metrics.counter("router_decisions", path="decode_alone", reason="short") == 1
+
+
+def test_a_sessions_turns_follow_their_prefix_onto_a_prefill_instance():
+    """The index learns what a prefill instance holds from the whole requests it ran."""
+    planner, _ = _fleet(("prefill", "decode"))
+    p = planner.prefill.instances[0]
+    for d in planner.decode.instances:
+        d.outstanding = 1
+    first = _whole_where(planner, LONG_PROMPT)
+    assert first is p
+    for d in planner.decode.instances:
+        d.outstanding = 0  # the decodes idle now: only the prefix draws the turn to p
+    turn = LONG_PROMPT + [7] * 100
+    route = planner.plan(turn, None, lambda p, d: True)
+    assert (route.decode, route.decision.reason) == (p, "cached_on_decode")
+    assert route.cached >= 2992 and route.as_dict()["decode_role"] == "prefill"
+
+
+def test_a_draining_or_ejected_prefill_instance_runs_no_whole_request():
+    planner, _ = _fleet(("prefill", "decode"))
+    p = planner.prefill.instances[0]
+    planner.prefill.instances.append(Instance("http://p:2", "prefill", outstanding=9))
+    planner.index.sent(p.url, LONG_PROMPT)  # its prefix would draw the request there
+    p.draining = True  # (the router drains no role's last instance)
+    assert {_whole_where(planner, LONG_PROMPT).role for _ in range(4)} == {"decode"}
+    p.draining, p.ejected_until = False, time.monotonic() + 60
+    assert {_whole_where(planner, LONG_PROMPT).role for _ in range(4)} == {"decode"}
+
+
+def test_a_disaggregated_request_still_pairs_a_prefill_with_a_decode_instance():
+    busy = DecisionRule("auto", alone_when_idle=False)
+    planner, metrics = _fleet(("prefill", "decode"), rule=busy)
+    for _ in range(4):
+        route = planner.plan(LONG_PROMPT, None, lambda p, d: True)
+        assert route.decision.reason == "long_uncached"
+        assert (route.prefill.role, route.decode.role) == ("prefill", "decode")
+    assert metrics.counter("router_whole_requests", role="prefill") == 0
+
+
+def test_load_placement_spreads_whole_requests_over_every_instance_and_retries_across_roles():
+    planner, _ = _fleet(("prefill", "decode"), placement="load", rule=DecisionRule("never"))
+    used = {_whole_where(planner, [1, 2, 3]).url for _ in range(3)}
+    assert used == {"http://p:1", "http://d:1", "http://d:2"}
+    p = planner.prefill.instances[0]
+    whole = planner.plan([1, 2, 3], p, lambda p, d: True)
+    assert whole.decode is not p  # a retry avoids the instance that failed it
+    assert planner.has_other(p, whole)  # a whole request may go to a decode instead
+    paired = planner.plan(LONG_PROMPT, None, lambda p, d: True)
+    paired.prefill = p
+    assert not planner.has_other(p, paired)  # a prefill leg needs another prefill
+
+
+def test_aggregate_on_names_prefill_decode_or_both():
+    assert roles("decode, prefill") == ("prefill", "decode") and roles("decode") == ("decode",)
+    for bad in ("", "gpu", "decode,gpu"):
+        with pytest.raises(ConfigError):
+            roles(bad)
+    with pytest.raises(ConfigError, match="aggregate"):
+        RoutingPolicy(aggregate_on=())
+    parser = argparse.ArgumentParser()
+    add_options(parser)
+    assert policy_of(parser.parse_args([])).aggregate_on == ("decode",)
+    args = parser.parse_args(["--aggregate-on", "prefill,decode"])
+    assert policy_of(args).aggregate_on == ("prefill", "decode")

@@ -152,3 +152,36 @@ def test_an_instances_file_adds_what_it_names_and_drains_what_it_drops(tmp_path)
         await _close(runner, [prefill, decode, extra])
 
     run(scenario())
+
+
+async def either(request: Any, body: dict) -> Any:
+    """A prefill instance: a prefill leg's answer, or a whole request's."""
+    return await (prefill_ok if "kv_transfer_params" in body else decode_ok)(request, body)
+
+
+def test_with_aggregate_on_prefill_a_prefill_instance_serves_whole_requests_and_sessions():
+    async def scenario():
+        prefill, decode = Fake(either), Fake(decode_ok)
+        policy = RoutingPolicy(DecisionRule("auto", alone_when_idle=False), placement="prefix",
+                               aggregate_on=("prefill", "decode"))  # fmt: skip
+        _router, runner, url = await _serve([prefill], [decode], policy=policy)
+        sessions = {s: [s] * 300 for s in (1, 2)}
+        async with aiohttp.ClientSession() as http:
+            for turn in range(3):
+                for s, history in sessions.items():
+                    history += [s + 10 * turn] * 40
+                    assert await _post(http, url, history) == 200
+            assert await _post(http, url, LONG) == 200  # long and uncached: a pair
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+        whole = [b for b in prefill.bodies if "kv_transfer_params" not in b]
+        # Each session's turns all ran on one instance, one session on each.
+        held = [{b["prompt"][0] for b in bodies} for bodies in (whole, decode.bodies[:-1])]
+        assert sorted(map(sorted, held)) == [[1], [2]], held
+        assert prefill.bodies[-1]["kv_transfer_params"]["do_remote_decode"]
+        assert decode.bodies[-1]["kv_transfer_params"]["do_remote_prefill"]
+        for role in ("prefill", "decode"):
+            assert f'kvpush_router_whole_requests_total{{role="{role}"}} 3' in text
+        await _close(runner, [prefill, decode])
+
+    run(scenario())
