@@ -4,21 +4,10 @@ It holds what moving bytes needs — each paired peer's descriptor table, the fe
 WRITE waits on, the blocks a consumer expects, the transfers in flight — and reports
 how each transfer ended as Settled records, without knowing the protocol machines.
 Everything here runs on the Node's loop thread (the NIXL agent is single-threaded).
-
-One consumer's WRITEs go one NIXL transfer at a time, the oldest kvpush transfer's
-first; WRITEs handed off together (one forward pass's) still share a post. Posted
-side by side, UCX moves them side by side on the one connection, so on a link
-slower than prefill every overlapping request's KV lands at the end of the burst;
-one at a time, each request's lands as soon as the link can carry it, and the link
-stays as busy (the next is posted as the last one's completion is polled).
-The write grace counts from the hand-off, not the post: the consumer's landing
-bound promises that a WRITE the producer handed off lands (or is aborted) within
-it, so a WRITE that waited out its grace in the queue fails unposted.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -113,11 +102,6 @@ class DataPath:
         self._broken: set[str] = set()
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
-        # Link peer -> hand-offs of WRITEs (when handed, what) waiting for the one in
-        # flight to it (the module's docstring).
-        self._queued: dict[str, list[tuple[float, list[act.PostWrite]]]] = {}
-        self._age: dict[str, int] = {}  # transfer -> order of its first WRITE: oldest first
-        self._ages = itertools.count()
         self._whole = tuple(units(kv.layout, split=False))
         self.local(self._whole)
 
@@ -227,9 +211,7 @@ class DataPath:
         return first
 
     def drop_fences(self, transfer_id: str) -> None:
-        """The producer let `transfer_id` go: no WRITE of it will be posted again."""
         self._fences.pop(transfer_id, None)
-        self._age.pop(transfer_id, None)
 
     def drop_expected(self, transfer_id: str) -> None:
         self._expected.pop(transfer_id, None)
@@ -252,62 +234,17 @@ class DataPath:
         return int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
-        """Post a hand-off's WRITEs, one NIXL transfer per consumer for all of them
-        (up to a cap), to each consumer with none in flight; the others wait their
-        turn (post_queued), in the order their oldest transfers' first WRITEs came."""
+        """Post WRITEs: one NIXL transfer per consumer for all of them (up to a cap)."""
         by_peer: dict[str, list[act.PostWrite]] = {}
         for write in writes:
-            self._age.setdefault(write.transfer_id, next(self._ages))
             by_peer.setdefault(write.peer, []).append(write)
         settled: list[Settled] = []
-        handed = self.clock()
         for peer, group in by_peer.items():
-            self._queued.setdefault(peer, []).append((handed, group))
-            settled += self._post_next(peer)
+            for start in range(0, len(group), MAX_WRITES_PER_POST):
+                settled += self._post_write_group(peer, group[start : start + MAX_WRITES_PER_POST])
         return settled
 
-    def post_queued(self) -> list[Settled]:
-        """The next WRITEs to each consumer whose WRITE in flight ended: call it after
-        handing back what progress() settled, so that a transfer's follow-up WRITE,
-        posted then, goes before a younger transfer's."""
-        settled: list[Settled] = []
-        for peer in list(self._queued):
-            settled += self._post_next(peer)
-        return settled
-
-    def _post_next(self, peer: str) -> list[Settled]:
-        """While no WRITE to `peer` is in flight: post the hand-off holding its oldest
-        transfer (up to a cap; the rest waits with the others). A post that failed,
-        or finished inside the call, leaves the peer idle: the next goes at once."""
-        settled: list[Settled] = []
-        waiting = self._queued.get(peer, [])
-        while waiting and not any(f.peer == peer for f in self.writes):
-            handed, group = waiting.pop(
-                min(range(len(waiting)), key=lambda i: self._oldest(waiting[i][1]))
-            )
-            group.sort(key=self._age_of)
-            if len(group) > MAX_WRITES_PER_POST:
-                waiting.append((handed, group[MAX_WRITES_PER_POST:]))
-            group = group[:MAX_WRITES_PER_POST]
-            if self.clock() > handed + self.write_grace_s:
-                detail = (f"waited over {self.write_grace_s:g} s behind older transfers' "
-                          "WRITEs to this consumer; not posted")  # fmt: skip
-                settled += [Settled("WRITE", w.transfer_id, peer, False, detail) for w in group]
-                continue
-            settled += self._post_write_group(peer, group, handed)
-        if not waiting:
-            self._queued.pop(peer, None)
-        return settled
-
-    def _age_of(self, write: act.PostWrite) -> int:
-        return self._age.get(write.transfer_id, -1)
-
-    def _oldest(self, group: list[act.PostWrite]) -> int:
-        return min(map(self._age_of, group))
-
-    def _post_write_group(
-        self, peer: str, group: list[act.PostWrite], handed: float
-    ) -> list[Settled]:
+    def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that
         cannot go fails alone, the rest still go."""
         route = self.routes.get(peer)
@@ -336,7 +273,7 @@ class DataPath:
             return settled
         assert route is not None
         try:
-            flight = self._post(self.writes, "WRITE", route, parts, handed)
+            flight = self._post(self.writes, "WRITE", route, parts)
         except Exception as exc:  # NIXL refused the post: nothing is in flight
             self._broken.add(route.agent_peer)
             failed = [Settled("WRITE", p.transfer_id, peer, False, str(exc)) for p in parts]
@@ -371,16 +308,7 @@ class DataPath:
         nbytes = int(local_table.rows[local_ids, 1].sum())
         return _Part(transfer_id, local_ids, remote_ids, nbytes, notif)
 
-    def _post(
-        self,
-        table: list[_InFlight],
-        op: str,
-        route: Route,
-        parts: list[_Part],
-        since: float | None = None,
-    ) -> _InFlight:
-        """Post one NIXL transfer; its grace runs from `since` (a WRITE's hand-off),
-        else from now."""
+    def _post(self, table: list[_InFlight], op: str, route: Route, parts: list[_Part]) -> _InFlight:
         _, local_list = self.local(route.local)
         local_ids = np.concatenate([part.local_ids for part in parts])
         remote_ids = np.concatenate([part.remote_ids for part in parts])
@@ -393,8 +321,7 @@ class DataPath:
         posted = self.clock()
         self.metrics.observe("post_seconds", posted - started)
         sizes = [(part.transfer_id, part.nbytes) for part in parts]
-        deadline = (started if since is None else since) + self.write_grace_s
-        flight = _InFlight(transfer, route.peer, posted, deadline, sizes)
+        flight = _InFlight(transfer, route.peer, posted, started + self.write_grace_s, sizes)
         table.append(flight)
         return flight
 
@@ -410,7 +337,7 @@ class DataPath:
     # -- progress ----------------------------------------------------------------------
 
     def busy(self) -> bool:
-        """NIXL transfers of ours are in flight (a queued WRITE waits for one)."""
+        """NIXL transfers of ours are in flight."""
         return bool(self.writes or self.reads)
 
     def progress(self) -> list[Settled]:
@@ -490,7 +417,6 @@ class DataPath:
     def counts(self) -> dict[str, int]:
         return {
             "writes_in_flight": len(self.writes),
-            "writes_queued": sum(len(writes) for q in self._queued.values() for _, writes in q),
             "reads_in_flight": len(self.reads),
             "fences_held": len(self._fences),
         }

@@ -495,9 +495,6 @@ class Node:
         settled = self.data.progress()
         if settled:
             self.interpreter.settle(settled)
-            # Each consumer's next WRITE, now that the follow-ups of those that ended
-            # are queued with the rest (DataPath: oldest transfer first).
-            self.interpreter.settle(self.data.post_queued())
         notifs = self.data.notifs()
         now = self.clock()
         for peer, message in notifs:

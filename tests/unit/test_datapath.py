@@ -1,5 +1,4 @@
-"""The Node's data path against a fake NIXL agent: batching, one consumer's WRITEs in
-turn, fences, failures, timeouts.
+"""The Node's data path against a fake NIXL agent: batching, fences, failures, timeouts.
 
 No NIXL, no threads, no sockets: each test runs in microseconds. The agent fake keeps
 what a real agent would have done (posts, released handles, known peers), so a data
@@ -124,95 +123,24 @@ def path():
     return data, agent, backends, clock
 
 
-def _write(
-    tid: str, blocks=(0, 1), layers=(0, LAYERS), notif: bytes | None = None, peer: str = "decode:1"
-) -> PostWrite:
-    return PostWrite(tid, peer, list(blocks), list(blocks), notif or tid.encode(), layers)
+def _write(tid: str, blocks=(0, 1), layers=(0, LAYERS), notif: bytes | None = None) -> PostWrite:
+    return PostWrite(tid, "decode:1", list(blocks), list(blocks), notif or tid.encode(), layers)
 
 
-def _notifs(agent: FakeAgent) -> list[list[bytes]]:
-    return [split_notifs(notif) for _, notif in agent.posts]
-
-
-def _share_agent(data: DataPath, peer: str = "decode:3") -> None:
-    """A second link to decode's NIXL agent (a kv_both peer dials us too)."""
-    data.pair(peer, "decode-agent", _layout(0x900000), b"decode-agent", notifies=False)
-
-
-def test_writes_handed_off_together_to_one_consumer_go_as_one_post_with_every_notification(
-    path,
-):
+def test_writes_to_one_consumer_go_as_one_post_carrying_every_notification(path):
     data, agent, _, _ = path
     assert data.post_writes([_write("a"), _write("b", (2, 3))]) == []
-    assert _notifs(agent) == [[b"a", b"b"]]
-    assert agent.posts[0][0].nbytes == 2 * 2 * LAYERS * BLOCK  # two transfers, two blocks each
+    assert len(agent.posts) == 1
+    transfer, notif = agent.posts[0]
+    assert split_notifs(notif) == [b"a", b"b"]
+    assert transfer.nbytes == 2 * 2 * LAYERS * BLOCK  # two transfers, two blocks each
 
 
-def test_a_batch_over_the_cap_is_split_into_several_posts_one_after_another(path, monkeypatch):
+def test_a_batch_over_the_cap_is_split_into_several_posts(path, monkeypatch):
     data, agent, _, _ = path
     monkeypatch.setattr(dp, "MAX_WRITES_PER_POST", 2)
     data.post_writes([_write(t, (i,)) for i, t in enumerate("abcde")])
-    assert _notifs(agent) == [[b"a", b"b"]]
-    agent.finish_on_post = True  # each post ends inside the call: the next goes at once
-    agent.state[0] = True
-    data.progress()
-    data.post_queued()
-    assert _notifs(agent) == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
-
-
-def test_a_consumers_writes_go_one_transfer_at_a_time_oldest_transfer_first(path):
-    data, agent, _, _ = path
-    data.post_writes([_write("a")])
-    data.post_writes([_write("b", (2,))])
-    data.post_writes([_write("c", (3,))])
-    assert _notifs(agent) == [[b"a"]]  # side by side, the three would share the link
-    assert data.counts()["writes_queued"] == 2 and data.busy()
-    agent.state[0] = True
-    assert [s.transfer_id for s in data.progress()] == ["a"]
-    # "a"'s next WRITE, posted while its settling is handed back, goes before "b".
-    assert data.post_writes([_write("a", layers=(1, LAYERS), notif=b"a2")]) == []
-    assert data.post_queued() == []
-    assert _notifs(agent) == [[b"a"], [b"a2"]]
-    data.post_writes([_write("d", (4,)), _write("e", (5,))])  # one hand-off: one post
-    for handle in (1, 2, 3, 4):
-        agent.state[handle] = True
-        data.progress()
-        data.post_queued()
-    assert _notifs(agent) == [[b"a"], [b"a2"], [b"b"], [b"c"], [b"d", b"e"]]
-    assert data.counts()["writes_queued"] == 0 and not data.busy()
-
-
-def test_a_write_that_waited_out_its_grace_in_the_queue_fails_unposted(path):
-    # The consumer's landing bound counts from the hand-off: a queued WRITE posted
-    # later could land in blocks the consumer has given back.
-    data, agent, _, clock = path
-    data.post_writes([_write("a")])
-    clock.now += 1.0
-    data.post_writes([_write("b", (2,))])
-    clock.now += 1.5  # "a" is past its grace; "b" waited 1.5 s of its 2
-    settled = data.progress()
-    assert [(s.transfer_id, s.ok, s.may_land) for s in settled] == [("a", False, True)]
-    assert data.post_queued() == []
-    assert _notifs(agent) == [[b"a"], [b"b"]]
-    clock.now += 0.6  # "b" was posted with what was left of its grace, not a new one
-    assert [(s.transfer_id, s.may_land) for s in data.progress()] == [("b", True)]
-    data.post_writes([_write("c", (3,))])
-    data.post_writes([_write("d", (4,))])
-    clock.now += 2.1
-    agent.state[2] = True
-    assert [s.transfer_id for s in data.progress()] == ["c"]
-    [late] = data.post_queued()
-    assert (late.transfer_id, late.ok, late.may_land) == ("d", False, False)
-    assert "not posted" in late.detail
-    assert _notifs(agent)[-1] == [b"c"] and data.counts()["writes_queued"] == 0
-
-
-def test_writes_to_different_consumers_do_not_wait_for_each_other(path):
-    data, agent, _, _ = path
-    data.pair("decode:2", "other-agent", _layout(0xA00000), b"other-agent", notifies=False)
-    data.post_writes([_write("a")])
-    data.post_writes([_write("b", peer="decode:2")])
-    assert [transfer.peer for transfer, _ in agent.posts] == ["decode-agent", "other-agent"]
+    assert [split_notifs(n) for _, n in agent.posts] == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
 
 
 def test_a_write_whose_staging_fails_fails_alone(path):
@@ -221,7 +149,7 @@ def test_a_write_whose_staging_fails_fails_alone(path):
     settled = data.post_writes([_write("a"), _write("bad", (5,)), _write("c", (2,))])
     assert [(s.transfer_id, s.ok) for s in settled] == [("bad", False)]
     assert "staging copy failed" in settled[0].detail
-    assert _notifs(agent) == [[b"a", b"c"]]
+    assert split_notifs(agent.posts[0][1]) == [b"a", b"c"]
 
 
 def test_a_refused_post_fails_every_write_it_carried_and_leaves_nothing_in_flight(path):
@@ -252,9 +180,8 @@ def test_a_write_that_completes_while_posting_settles_at_once_and_frees_its_hand
 
 def test_progress_settles_done_and_failed_transfers_and_frees_their_handles(path):
     data, agent, _, _ = path
-    _share_agent(data)
     data.post_writes([_write("a")])
-    data.post_writes([_write("b", (2,), peer="decode:3")])
+    data.post_writes([_write("b", (2,))])
     assert data.progress() == []  # neither is done
     agent.state = {0: True, 1: TransportError("WRITE completion", "the transfer failed")}
     settled = {s.transfer_id: s for s in data.progress()}
@@ -275,11 +202,10 @@ def test_a_transfer_past_its_grace_is_aborted_and_may_still_land(path):
 
 
 def test_a_write_waits_on_each_fence_it_reads_in_layer_order_and_only_once(path):
-    data, agent, backends, _ = path
+    data, _, backends, _ = path
     assert data.add_fence("a", 1, "f1") is True
     assert data.add_fence("a", 2, "f2") is False
     data.add_fence("a", 3, "f3")
-    agent.finish_on_post = True
     data.post_writes([_write("a", layers=(0, 2))])
     assert backends.waited == ["f1", "f2"]
     data.post_writes([_write("a", layers=(2, 3))])
@@ -313,37 +239,35 @@ def test_landed_kv_is_staged_to_the_device_and_counted_from_our_layout(path):
 
 def test_a_write_that_failed_outright_reconnects_its_peer_before_the_next_post(path):
     data, agent, _, _ = path
-    _share_agent(data)
-    data.post_writes([_write("a")])
-    data.post_writes([_write("c", (3,), peer="decode:3")])
+    data.post_writes([_write("a"), _write("b", (2,))])
+    data.post_writes([_write("c", (3,))])
     agent.state[0] = TransportError("WRITE completion", "remote disconnected")
-    assert [s.ok for s in data.progress()] == [False]
+    assert [s.ok for s in data.progress()] == [False, False]
     data.post_writes([_write("d", (4,))])  # "c" still uses the old endpoint: kept
     assert agent.removed == [] and len(agent.posts) == 3
     agent.state = {1: True, 2: True}
     data.progress()
     data.post_writes([_write("a")])  # the retry: a fresh endpoint first
     assert agent.removed == ["decode-agent"] and "decode-agent" in agent.peers
-    assert agent.released_lists == ["decode-agent"] * 2  # each link's old table, prepared anew
+    assert agent.released_lists == ["decode-agent"]  # the old table, prepared anew
     assert data.routes["decode:1"].prepared.peer == "decode-agent"
-    data.post_writes([_write("b", (2,), peer="decode:3")])
+    data.post_writes([_write("b", (2,))])
     assert agent.removed == ["decode-agent"]  # once per failure, not per post
 
 
 def test_a_refused_post_reconnects_and_a_timed_out_write_does_not(path):
     data, agent, _, clock = path
-    _share_agent(data)
     data.post_writes([_write("a")])
     clock.now += 2.1  # past its grace: it may still land, the endpoint is not blamed
     data.progress()
     data.post_writes([_write("b", (2,))])
     assert agent.removed == []
     agent.refuse_posts = True
-    data.post_writes([_write("c", (3,), peer="decode:3")])
+    data.post_writes([_write("c", (3,))])
     agent.refuse_posts = False
     clock.now += 2.1
     data.progress()  # "b" times out: the peer's table is free to go
-    data.post_writes([_write("c", (3,), peer="decode:3")])
+    data.post_writes([_write("c", (3,))])
     assert agent.removed == ["decode-agent"]
 
 
