@@ -7,6 +7,7 @@ Thread-safe: the loop thread records, any thread reads.
 from __future__ import annotations
 
 import bisect
+import re
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -200,3 +201,10 @@ def _escape(value: str) -> str:
 
 def _label_text(key: tuple[tuple[str, str], ...]) -> str:
     return ",".join(f"{k}={v}" for k, v in key)
+
+
+def samples(text: str, name: str) -> list[tuple[str, float]]:
+    """Each sample of metric `name` (a counter's `_total` optional) in a Prometheus
+    text page, as (its labels, its value)."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})?\s+(\S+)$", re.M)
+    return [(labels or "", float(value)) for labels, value in pattern.findall(text)]

@@ -43,6 +43,7 @@ from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
 from kvpush.bench.serve import Bench, Cell, Deployment, Settings, summarize
 from kvpush.errors import KVPushError
+from kvpush.metrics import samples
 
 CONFIGS = ("rr-aggregated", "disagg-all", "decide")
 ROUTER_FLAGS = {
@@ -87,16 +88,10 @@ class FleetCell(Cell):
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
 
 
-def _counter(text: str, name: str) -> list[tuple[str, float]]:
-    """Each sample of counter `name` in a Prometheus text page: (labels, value)."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})?\s+(\S+)$", re.M)
-    return [(labels or "", float(value)) for labels, value in pattern.findall(text)]
-
-
 def prefix_counters(metrics_text: str) -> tuple[int, int]:
     """(hits, queries) of vLLM's prefix cache, summed over its engines."""
-    hits = sum(v for _, v in _counter(metrics_text, "vllm:prefix_cache_hits"))
-    queries = sum(v for _, v in _counter(metrics_text, "vllm:prefix_cache_queries"))
+    hits = sum(v for _, v in samples(metrics_text, "vllm:prefix_cache_hits"))
+    queries = sum(v for _, v in samples(metrics_text, "vllm:prefix_cache_queries"))
     return int(hits), int(queries)
 
 
@@ -109,7 +104,7 @@ def decision_counts(metrics_text: str) -> dict[str, int]:
         "kvpush_router_whole_requests": lambda said: f"whole_on/{said.get('role')}",
     }
     for name, key_of in keys.items():
-        for labels, value in _counter(metrics_text, name):
+        for labels, value in samples(metrics_text, name):
             key = key_of(dict(re.findall(r'(\w+)="([^"]*)"', labels)))
             counts[key] = counts.get(key, 0) + int(value)
     return counts

@@ -24,7 +24,6 @@ What an instance was sent is read from its own vLLM metrics: requests finished
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,7 @@ import aiohttp
 
 from kvpush.bench.faults import Fault, instance_state
 from kvpush.errors import KVPushError
+from kvpush.metrics import samples
 
 if TYPE_CHECKING:
     from kvpush.demo.cluster import Cluster
@@ -53,13 +53,8 @@ def handles(kind: str) -> bool:
 def sample_sum(text: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus text's samples of metric `name` whose labels include
     `labels`."""
-    total = 0.0
     wanted = [f'{key}="{value}"' for key, value in labels.items()]
-    for line in text.splitlines():
-        match = re.match(rf"{re.escape(name)}(\{{.*\}})?\s+(\S+)$", line)
-        if match and all(w in (match.group(1) or "") for w in wanted):
-            total += float(match.group(2))
-    return total
+    return sum(v for said, v in samples(text, name) if all(w in said for w in wanted))
 
 
 class Injector:
