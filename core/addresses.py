@@ -135,6 +135,18 @@ def network_id() -> str:
     return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
+@functools.cache
+def machine_id() -> str:
+    """Which machine this process runs on: a digest of the kernel's boot id (the host
+    name where /proc does not say). Equal for two processes of one kernel, whatever
+    their network namespaces."""
+    try:
+        where = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        where = socket.gethostname()
+    return hashlib.sha256(f"machine/{where}".encode()).hexdigest()[:16]
+
+
 def loopback_problem(peer: str, theirs: str, ours: str) -> str | None:
     """Why a consumer must not dial the producer side channel `peer` (host:port),
     advertised by a producer whose network is `theirs`, from network `ours`; or None.

@@ -4,6 +4,11 @@ It holds what moving bytes needs — each paired peer's descriptor table, the fe
 WRITE waits on, the blocks a consumer expects, the transfers in flight — and reports
 how each transfer ended as Settled records, without knowing the protocol machines.
 Everything here runs on the Node's loop thread (the NIXL agent is single-threaded).
+
+A WRITE's grace counts from its hand-off, not its post: the consumer's landing bound
+promises that a WRITE the producer handed off lands (or is aborted) within it, so one
+that waited out its grace behind others to the same consumer (kvpush.node.write_order)
+fails unposted.
 """
 
 from __future__ import annotations
@@ -20,15 +25,13 @@ from kvpush.backend import DeviceKV
 from kvpush.backend.plugins import Backends
 from kvpush.errors import KVPushError, TransportError
 from kvpush.layout import BlockTable, KVLayout, Unit, blocks_of, plan, units
+from kvpush.node import write_order
 from kvpush.node.interpreter import MetricsSink, Settled
 from kvpush.protocol import actions as act
 from kvpush.protocol.messages import join_notifs
 from kvpush.transport.agent import NixlAgent, PreparedList, Transfer
 
 log = logging.getLogger(__name__)
-
-# A batched WRITE's notification lists every transfer it ends: keep it small.
-MAX_WRITES_PER_POST = 64
 
 
 @dataclass
@@ -82,6 +85,7 @@ class DataPath:
         metrics: MetricsSink,
         write_grace_s: float,
         clock: Callable[[], float] = time.monotonic,
+        order: Callable[[str], write_order.SideBySide] = lambda machine: write_order.SideBySide(),
     ) -> None:
         self.agent = agent
         self.kv = kv
@@ -89,6 +93,7 @@ class DataPath:
         self.metrics = metrics
         self.write_grace_s = write_grace_s
         self.clock = clock
+        self.order = order  # a consumer's machine -> how its WRITEs are posted
         self.agent_metadata = agent.metadata()  # what peers load to reach our memory
         self.routes: dict[str, Route] = {}  # link peer -> how to reach its memory
         self._notifiers: dict[str, str] = {}  # NIXL agent name -> link peer (outgoing)
@@ -102,16 +107,24 @@ class DataPath:
         self._broken: set[str] = set()
         self.writes: list[_InFlight] = []
         self.reads: list[_InFlight] = []
+        self._orders: dict[str, write_order.SideBySide] = {}  # link peer -> its WRITEs' order
         self._whole = tuple(units(kv.layout, split=False))
         self.local(self._whole)
 
     # -- peers -------------------------------------------------------------------------
 
     def pair(
-        self, peer: str, agent_name: str, layout: KVLayout, metadata: bytes, notifies: bool
+        self,
+        peer: str,
+        agent_name: str,
+        layout: KVLayout,
+        metadata: bytes,
+        notifies: bool,
+        machine: str = "",
     ) -> None:
         """Load a peer's NIXL metadata and prepare its descriptor table. `notifies`:
-        its NIXL notifications reach us (we dialled it, so it writes to us)."""
+        its NIXL notifications reach us (we dialled it, so it writes to us); `machine`:
+        where it runs (kvpush.addresses.machine_id), which orders our WRITEs to it."""
         added = agent_name not in self.agent.peers
         # Already paired over another link (a kv_both peer dialled us too): agent
         # names carry the boot epoch, so it is the same incarnation; share it.
@@ -133,11 +146,20 @@ class DataPath:
         )
         if notifies:
             self._notifiers[agent_peer] = peer
+        else:
+            order = self.order(machine)
+            self.metrics.inc("paired_consumers", write_order=order.name)
+            for handed, writes in self._orders.pop(peer, write_order.SideBySide()).waiting:
+                order.hand(handed, writes)
+            self._orders[peer] = order
 
     def unpair(self, peer: str) -> None:
         """The link to `peer` is gone: release its descriptor table, and its NIXL
         peer, once nothing uses them."""
         route = self.routes.pop(peer, None)
+        order = self._orders.get(peer)
+        if order is not None and not order.waiting:  # else its WRITEs fail as they come up
+            self._orders.pop(peer)
         if route is None:
             return
         self._retiring.setdefault(route.agent_peer, []).append(route.prepared)
@@ -211,7 +233,10 @@ class DataPath:
         return first
 
     def drop_fences(self, transfer_id: str) -> None:
+        """The producer let `transfer_id` go: no WRITE of it will be posted again."""
         self._fences.pop(transfer_id, None)
+        for order in self._orders.values():
+            order.forget(transfer_id)
 
     def drop_expected(self, transfer_id: str) -> None:
         self._expected.pop(transfer_id, None)
@@ -234,17 +259,47 @@ class DataPath:
         return int(table.rows[table.ids(blocks), 1].sum()) if blocks else 0
 
     def post_writes(self, writes: list[act.PostWrite]) -> list[Settled]:
-        """Post WRITEs: one NIXL transfer per consumer for all of them (up to a cap)."""
+        """Hand off one batch of WRITEs: to each consumer, posted in its order
+        (kvpush.node.write_order), as one NIXL transfer where they go together."""
         by_peer: dict[str, list[act.PostWrite]] = {}
         for write in writes:
             by_peer.setdefault(write.peer, []).append(write)
         settled: list[Settled] = []
+        handed = self.clock()
         for peer, group in by_peer.items():
-            for start in range(0, len(group), MAX_WRITES_PER_POST):
-                settled += self._post_write_group(peer, group[start : start + MAX_WRITES_PER_POST])
+            self._orders.setdefault(peer, write_order.SideBySide()).hand(handed, group)
+            settled += self._post_next(peer)
         return settled
 
-    def _post_write_group(self, peer: str, group: list[act.PostWrite]) -> list[Settled]:
+    def post_queued(self) -> list[Settled]:
+        """Post what each consumer's order lets go now that transfers ended: call it
+        after handing back what progress() settled, so that a transfer's follow-up
+        WRITE, handed off then, can go before a younger transfer's."""
+        settled: list[Settled] = []
+        for peer in [peer for peer, order in self._orders.items() if order.waiting]:
+            settled += self._post_next(peer)
+        return settled
+
+    def _post_next(self, peer: str) -> list[Settled]:
+        """Post `peer`'s WRITEs while its order lets them go; a WRITE past its grace
+        fails unposted (may not land), so the producer may retry it."""
+        order = self._orders[peer]
+        settled: list[Settled] = []
+        while (batch := order.take(any(f.peer == peer for f in self.writes))) is not None:
+            handed, group = batch
+            if self.clock() > handed + self.write_grace_s:
+                detail = (f"waited over {self.write_grace_s:g} s behind older transfers' "
+                          "WRITEs to this consumer; not posted")  # fmt: skip
+                settled += [Settled("WRITE", w.transfer_id, peer, False, detail) for w in group]
+                continue
+            settled += self._post_write_group(peer, group, handed)
+        if peer not in self.routes and not order.waiting:
+            self._orders.pop(peer, None)
+        return settled
+
+    def _post_write_group(
+        self, peer: str, group: list[act.PostWrite], handed: float
+    ) -> list[Settled]:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that
         cannot go fails alone, the rest still go."""
         route = self.routes.get(peer)
@@ -273,7 +328,7 @@ class DataPath:
             return settled
         assert route is not None
         try:
-            flight = self._post(self.writes, "WRITE", route, parts)
+            flight = self._post(self.writes, "WRITE", route, parts, handed)
         except Exception as exc:  # NIXL refused the post: nothing is in flight
             self._broken.add(route.agent_peer)
             failed = [Settled("WRITE", p.transfer_id, peer, False, str(exc)) for p in parts]
@@ -308,7 +363,16 @@ class DataPath:
         nbytes = int(local_table.rows[local_ids, 1].sum())
         return _Part(transfer_id, local_ids, remote_ids, nbytes, notif)
 
-    def _post(self, table: list[_InFlight], op: str, route: Route, parts: list[_Part]) -> _InFlight:
+    def _post(
+        self,
+        table: list[_InFlight],
+        op: str,
+        route: Route,
+        parts: list[_Part],
+        since: float | None = None,
+    ) -> _InFlight:
+        """Post one NIXL transfer; its grace runs from `since` (a WRITE's hand-off),
+        else from now."""
         _, local_list = self.local(route.local)
         local_ids = np.concatenate([part.local_ids for part in parts])
         remote_ids = np.concatenate([part.remote_ids for part in parts])
@@ -321,7 +385,8 @@ class DataPath:
         posted = self.clock()
         self.metrics.observe("post_seconds", posted - started)
         sizes = [(part.transfer_id, part.nbytes) for part in parts]
-        flight = _InFlight(transfer, route.peer, posted, started + self.write_grace_s, sizes)
+        deadline = (started if since is None else since) + self.write_grace_s
+        flight = _InFlight(transfer, route.peer, posted, deadline, sizes)
         table.append(flight)
         return flight
 
@@ -417,6 +482,7 @@ class DataPath:
     def counts(self) -> dict[str, int]:
         return {
             "writes_in_flight": len(self.writes),
+            "writes_queued": sum(order.queued() for order in self._orders.values()),
             "reads_in_flight": len(self.reads),
             "fences_held": len(self._fences),
         }

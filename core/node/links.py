@@ -242,7 +242,12 @@ class Links:
             return
         try:
             self.data.pair(
-                link.peer, hello.agent_name, message.layout, message.metadata, link.outgoing
+                link.peer,
+                hello.agent_name,
+                message.layout,
+                message.metadata,
+                link.outgoing,
+                hello.machine,
             )
         except KVPushError as exc:
             self.metrics.inc("handshakes", result="refused")

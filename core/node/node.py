@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kvpush.addresses import loopback_problem, network_id
+from kvpush.addresses import loopback_problem, machine_id, network_id
 from kvpush.backend import DeviceKV
 from kvpush.backend.plugins import Backends, get_backends
 from kvpush.errors import KVPushError
@@ -31,6 +31,7 @@ from kvpush.node.datapath import DataPath
 from kvpush.node.faults import Faults, FaultyAgent, FaultyBackends
 from kvpush.node.interpreter import Interpreter, Outcome
 from kvpush.node.links import Links
+from kvpush.node.write_order import choose as choose_write_order
 from kvpush.protocol import actions as act
 from kvpush.protocol.auth import Session
 from kvpush.protocol.config import ProtocolConfig
@@ -67,6 +68,7 @@ class NodeConfig:
     # Where this process's loopback leads (kvpush.addresses.network_id): a producer
     # elsewhere that advertises a loopback address is refused before any dial.
     network: str = field(default_factory=network_id)
+    machine: str = field(default_factory=machine_id)  # kvpush.addresses.machine_id
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -167,6 +169,12 @@ class Node:
             self.metrics,
             config.protocol.write_grace_s,
             self.clock,
+            order=partial(
+                choose_write_order,
+                config.agent.write_order,
+                config.machine,
+                ucx="UCX" in nixl_backends,
+            ),
         )
         self.links = Links(
             self.loop,
@@ -453,6 +461,7 @@ class Node:
             registration_ttl_s=self.config.protocol.registration_ttl_s,
             silence_s=self.config.protocol.silence_s,
             heartbeat_s=self.config.protocol.heartbeat_s,
+            machine=self.config.machine,
         )
 
     def on_ready(self, peer: str, hello: Hello, layout: KVLayout, outgoing: bool) -> None:
@@ -495,6 +504,9 @@ class Node:
         settled = self.data.progress()
         if settled:
             self.interpreter.settle(settled)
+            # Each consumer's next WRITEs, once the follow-ups of those that ended are
+            # queued with the rest (kvpush.node.write_order: oldest transfer first).
+            self.interpreter.settle(self.data.post_queued())
         notifs = self.data.notifs()
         now = self.clock()
         for peer, message in notifs:

@@ -81,6 +81,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # registrations are the only bound on its WRITEs.
     silence_s: float = 0.0
     heartbeat_s: float = 0.0  # how often this side heartbeats its live transfers
+    # Which machine it runs on (kvpush.addresses.machine_id; "": not said): whether
+    # its KV crosses a network decides how WRITEs to it are ordered.
+    machine: str = ""
 
 
 class Verify(msgspec.Struct, tag="verify", frozen=True):

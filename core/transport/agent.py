@@ -60,6 +60,9 @@ def _quiet_nixl_logging() -> None:
         nixl_logger.setLevel(logging.WARNING)
 
 
+WRITE_ORDERS = ("auto", "oldest_first", "side_by_side")  # kvpush.node.write_order
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """How the NIXL agent is built.
@@ -73,6 +76,8 @@ class AgentConfig:
 
     backends: tuple[str, ...] = ("UCX",)
     ucx_error_handling: str = "none"
+    # In what order one consumer's WRITEs are posted (kvpush.node.write_order).
+    write_order: str = "auto"
     ucx_workers: int = 1
     progress_thread: bool = False
     backend_params: dict[str, dict[str, str]] = field(default_factory=dict)

@@ -20,7 +20,7 @@ from kvpush.addresses import choose_host, wildcard
 from kvpush.errors import ConfigError
 from kvpush.protocol.config import ProtocolConfig
 from kvpush.protocol.handshake import ROLES
-from kvpush.transport.agent import AgentConfig
+from kvpush.transport.agent import WRITE_ORDERS, AgentConfig
 from kvpush.vllm.upstream_keys import unknown_keys
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ class ConnectorConfig:
         (default 0.002; 1 keeps vLLM's; reaches into vLLM's private queues).
     nixl_backends: NIXL backends to use (default: the device backend's choice).
     ucx_error_handling: "none" (default, fastest here) or "peer".
+    write_order: how one decode's WRITEs are posted: "oldest_first", one at a time,
+        the oldest request's first; "side_by_side", each as it is ready; "auto"
+        (default), oldest_first where UCX carries them over TCP (docs/two-hosts.md).
     device_options: passed to the device backend (e.g. {"staging": "host"}).
     Protocol timers (seconds): lease_s, registration_ttl_s, watchdog_s, heartbeat_s,
         write_grace_s, landing_s, max_wait_s, tombstone_s, orphan_grace_s, silence_s.
@@ -114,6 +117,7 @@ class ConnectorConfig:
     reader_spin_s: float = 0.002
     nixl_backends: tuple[str, ...] = ()
     ucx_error_handling: str = "none"
+    write_order: str = "auto"
     device_options: dict[str, Any] = field(default_factory=dict)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     # Where every listener binds (side channels, identity and bootstrap endpoints); no
@@ -145,7 +149,7 @@ class ConnectorConfig:
 
     @property
     def agent(self) -> AgentConfig:
-        return AgentConfig(ucx_error_handling=self.ucx_error_handling)
+        return AgentConfig(ucx_error_handling=self.ucx_error_handling, write_order=self.write_order)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -181,6 +185,7 @@ def _checked(key: str, value: Any) -> Any:
         "push_granularity": str,
         "park_workers": bool,
         "ucx_error_handling": str,
+        "write_order": str,
     }
     if key in expected:
         kind = expected[key]
@@ -204,6 +209,8 @@ def _checked(key: str, value: Any) -> Any:
         raise ConfigError(f"{key} must be a TCP port (0-65535), got {value}")
     if key == "ucx_error_handling" and value not in ("none", "peer"):
         raise ConfigError(f"ucx_error_handling must be 'none' or 'peer', got {value!r}")
+    if key == "write_order" and value not in WRITE_ORDERS:
+        raise ConfigError(f"write_order must be one of {WRITE_ORDERS}, got {value!r}")
     if key == "nixl_backends":
         if isinstance(value, str):
             value = [value]

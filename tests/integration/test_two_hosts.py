@@ -71,6 +71,9 @@ def test_one_network_may_use_loopback(spawn):
                   network=hello["network"])  # fmt: skip
     producer.call("kv_ready", tid="t1", blocks=BLOCKS, value=7)
     assert _one(consumer)["kind"] == "delivered"
+    # One machine, UCX left to choose: shared memory, WRITEs side by side.
+    paired = producer.call("stats")["metrics"]["paired_consumers"]
+    assert paired == {"write_order=side_by_side": 1}, paired
 
 
 def test_each_host_advertises_its_own_address_and_the_kv_crosses_the_link(two_hosts, spawn):
@@ -91,6 +94,9 @@ def test_each_host_advertises_its_own_address_and_the_kv_crosses_the_link(two_ho
     assert all(values[layer][block] == [0x5A] for layer in range(LAYERS) for block in BLOCKS)
     kv_bytes = LAYERS * len(BLOCKS) * BLOCK_BYTES
     assert prefill.sent_bytes() - before >= kv_bytes, "the KV did not cross the link"
+    # Over TCP, one consumer's WRITEs go oldest first (kvpush.node.write_order).
+    paired = producer.call("stats")["metrics"]["paired_consumers"]
+    assert paired == {"write_order=oldest_first": 1}, paired
 
 
 def test_a_host_forced_to_advertise_loopback_is_refused_with_the_reason(two_hosts, spawn):

@@ -1,4 +1,5 @@
-"""The Node's data path against a fake NIXL agent: batching, fences, failures, timeouts.
+"""The Node's data path against a fake NIXL agent: batching, one consumer's WRITEs in
+turn where they cross TCP, fences, failures, timeouts.
 
 No NIXL, no threads, no sockets: each test runs in microseconds. The agent fake keeps
 what a real agent would have done (posts, released handles, known peers), so a data
@@ -13,7 +14,7 @@ from kvpush.backend import DeviceKV
 from kvpush.errors import BackendError, TransportError
 from kvpush.layout import BlockRun, KVLayout
 from kvpush.metrics import Metrics
-from kvpush.node import datapath as dp
+from kvpush.node import write_order
 from kvpush.node.datapath import DataPath
 from kvpush.protocol.actions import PostRead, PostWrite
 from kvpush.protocol.messages import split_notifs
@@ -123,8 +124,23 @@ def path():
     return data, agent, backends, clock
 
 
-def _write(tid: str, blocks=(0, 1), layers=(0, LAYERS), notif: bytes | None = None) -> PostWrite:
-    return PostWrite(tid, "decode:1", list(blocks), list(blocks), notif or tid.encode(), layers)
+@pytest.fixture
+def in_turn(path):
+    """The path, its WRITEs to decode:1 oldest first (as over UCX's TCP lane)."""
+    data = path[0]
+    data.order = lambda machine: write_order.OldestFirst()
+    data.pair("decode:1", "decode-agent", _layout(0x900000), b"decode-agent", notifies=False)
+    return path
+
+
+def _write(
+    tid: str, blocks=(0, 1), layers=(0, LAYERS), notif: bytes | None = None, peer: str = "decode:1"
+) -> PostWrite:
+    return PostWrite(tid, peer, list(blocks), list(blocks), notif or tid.encode(), layers)
+
+
+def _notifs(agent: FakeAgent) -> list[list[bytes]]:
+    return [split_notifs(notif) for _, notif in agent.posts]
 
 
 def test_writes_to_one_consumer_go_as_one_post_carrying_every_notification(path):
@@ -138,9 +154,96 @@ def test_writes_to_one_consumer_go_as_one_post_carrying_every_notification(path)
 
 def test_a_batch_over_the_cap_is_split_into_several_posts(path, monkeypatch):
     data, agent, _, _ = path
-    monkeypatch.setattr(dp, "MAX_WRITES_PER_POST", 2)
+    monkeypatch.setattr(write_order, "MAX_WRITES_PER_POST", 2)
     data.post_writes([_write(t, (i,)) for i, t in enumerate("abcde")])
-    assert [split_notifs(n) for _, n in agent.posts] == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
+    assert _notifs(agent) == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
+
+
+def test_side_by_side_a_consumers_writes_go_as_they_are_handed_off(path):
+    data, agent, _, _ = path
+    data.post_writes([_write("a")])
+    data.post_writes([_write("b", (2,))])
+    assert _notifs(agent) == [[b"a"], [b"b"]] and data.counts()["writes_queued"] == 0
+
+
+def test_in_turn_a_consumers_writes_go_one_transfer_at_a_time_oldest_transfer_first(in_turn):
+    data, agent, _, _ = in_turn
+    data.post_writes([_write("a")])
+    data.post_writes([_write("b", (2,))])
+    data.post_writes([_write("c", (3,))])
+    assert _notifs(agent) == [[b"a"]]  # side by side, the three would share the link
+    assert data.counts()["writes_queued"] == 2 and data.busy()
+    agent.state[0] = True
+    assert [s.transfer_id for s in data.progress()] == ["a"]
+    # "a"'s next WRITE, handed off while its settling is handed back, goes before "b".
+    assert data.post_writes([_write("a", layers=(1, LAYERS), notif=b"a2")]) == []
+    assert data.post_queued() == []
+    assert _notifs(agent) == [[b"a"], [b"a2"]]
+    data.post_writes([_write("e", (5,)), _write("d", (4,))])  # one hand-off: one post
+    for handle in (1, 2, 3, 4):
+        agent.state[handle] = True
+        data.progress()
+        data.post_queued()
+    assert _notifs(agent) == [[b"a"], [b"a2"], [b"b"], [b"c"], [b"e", b"d"]]
+    assert data.counts()["writes_queued"] == 0 and not data.busy()
+
+
+def test_in_turn_a_batch_over_the_cap_goes_in_several_posts_one_after_another(in_turn, monkeypatch):
+    data, agent, _, _ = in_turn
+    monkeypatch.setattr(write_order, "MAX_WRITES_PER_POST", 2)
+    data.post_writes([_write(t, (i,)) for i, t in enumerate("abcde")])
+    assert _notifs(agent) == [[b"a", b"b"]]
+    agent.finish_on_post = True  # each post ends inside the call: the next goes at once
+    agent.state[0] = True
+    data.progress()
+    data.post_queued()
+    assert _notifs(agent) == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
+
+
+def test_in_turn_a_write_that_waited_out_its_grace_in_the_queue_fails_unposted(in_turn):
+    # The consumer's landing bound counts from the hand-off: a queued WRITE posted
+    # later could land in blocks the consumer has given back.
+    data, agent, _, clock = in_turn
+    data.post_writes([_write("a")])
+    clock.now += 1.0
+    data.post_writes([_write("b", (2,))])
+    clock.now += 1.5  # "a" is past its grace; "b" waited 1.5 s of its 2
+    settled = data.progress()
+    assert [(s.transfer_id, s.ok, s.may_land) for s in settled] == [("a", False, True)]
+    assert data.post_queued() == []
+    assert _notifs(agent) == [[b"a"], [b"b"]]
+    clock.now += 0.6  # "b" was posted with what was left of its grace, not a new one
+    assert [(s.transfer_id, s.may_land) for s in data.progress()] == [("b", True)]
+    data.post_writes([_write("c", (3,))])
+    data.post_writes([_write("d", (4,))])
+    clock.now += 2.1
+    agent.state[2] = True
+    assert [s.transfer_id for s in data.progress()] == ["c"]
+    [late] = data.post_queued()
+    assert (late.transfer_id, late.ok, late.may_land) == ("d", False, False)
+    assert "not posted" in late.detail
+    assert _notifs(agent)[-1] == [b"c"] and data.counts()["writes_queued"] == 0
+
+
+def test_in_turn_writes_to_different_consumers_do_not_wait_for_each_other(in_turn):
+    data, agent, _, _ = in_turn
+    data.pair("decode:2", "other-agent", _layout(0xA00000), b"other-agent", notifies=False)
+    data.post_writes([_write("a")])
+    data.post_writes([_write("b", peer="decode:2")])
+    data.post_writes([_write("c", (3,))])
+    assert [transfer.peer for transfer, _ in agent.posts] == ["decode-agent", "other-agent"]
+
+
+def test_in_turn_writes_queued_for_a_consumer_whose_link_went_fail_as_gone(in_turn):
+    data, agent, _, _ = in_turn
+    data.post_writes([_write("a")])
+    data.post_writes([_write("b", (2,))])
+    data.unpair("decode:1")
+    agent.state[0] = True
+    assert [s.transfer_id for s in data.progress()] == ["a"]
+    [gone] = data.post_queued()
+    assert (gone.transfer_id, gone.ok) == ("b", False) and "session is gone" in gone.detail
+    assert data.counts()["writes_queued"] == 0 and len(agent.posts) == 1
 
 
 def test_a_write_whose_staging_fails_fails_alone(path):

@@ -144,6 +144,15 @@ def test_push_granularity_is_checked_and_names_the_choices():
         ConnectorConfig.from_extra({"layerwise": False})
 
 
+def test_write_order_reaches_the_agent_config_and_is_checked():
+    assert ConnectorConfig.from_extra({}).agent.write_order == "auto"
+    assert ConnectorConfig.from_extra({"write_order": "oldest_first"}).agent.write_order == (
+        "oldest_first"
+    )
+    with pytest.raises(ConfigError, match="write_order must be one of"):
+        ConnectorConfig.from_extra({"write_order": "fifo"})
+
+
 @pytest.mark.parametrize(
     ("role", "granularity", "piecewise"),
     [
