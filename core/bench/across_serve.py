@@ -15,7 +15,11 @@ chose for the two servers' remote memory writes and reads (tcp on the link, noth
 else) and how many bytes the link carried against the KV its requests moved.
 
 Without --model it runs the KV-heavy tiny model (16 KiB of KV per token, fp32), so
-that moving a prompt's KV takes as long as computing it at link rates near a gigabit.
+that moving a prompt's KV takes as long as computing it at link rates near a gigabit,
+and every server computes prompts in steps of STEP_TOKENS unless `--vllm-args` sets
+`--max-num-batched-tokens`. A real model's 32 to 80 layers let push send all but a
+layer's share of a prompt's KV while its last step computes; the tiny model has two,
+and in one step would leave half of it for after. Small steps give it that grain.
 Needs root; every namespace, link and process it made is removed when it ends.
 """
 
@@ -44,6 +48,7 @@ from kvpush.transport.ucx_report import TCP_ONLY, peer_lanes
 
 # Where each server of a configuration runs: the others (plain) stay in the root namespace.
 SIDES = {"prefill": "a", "decode": "b"}
+STEP_TOKENS = 512  # the module's docstring
 # Configurations that move KV between the two hosts.
 MOVING = ("push", "pull", "push-decode-first", "upstream")
 
@@ -163,12 +168,21 @@ def refuse_unless_able(settings: Settings) -> None:
         raise KVPushError("--across-namespaces starts its own servers: it takes no --attach")
 
 
+def in_small_steps(settings: Settings) -> Settings:
+    """`settings`, its servers computing in steps of STEP_TOKENS unless its vLLM
+    arguments choose a step."""
+    if any(arg.startswith("--max-num-batched-tokens") for arg in settings.vllm_args):
+        return settings
+    steps = ("--max-num-batched-tokens", str(STEP_TOKENS))
+    return replace(settings, vllm_args=(*settings.vllm_args, *steps))
+
+
 def main(settings: Settings, link_rates: tuple[int | None, ...], out: Path,
          as_json: bool) -> int:  # fmt: skip
     from kvpush.demo.tinymodel import cached_kv_heavy_model
 
     refuse_unless_able(settings)
-    settings = replace(settings, model=settings.model or cached_kv_heavy_model())
+    settings = in_small_steps(replace(settings, model=settings.model or cached_kv_heavy_model()))
     links = tuple(Link(bits) for bits in link_rates)
     cells_count = len(settings.configs) * len(links) * len(settings.lengths) * len(settings.rates)
     report = Report(as_json, Progress("kvpush bench serve --across-namespaces", "cell",

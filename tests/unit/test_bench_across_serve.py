@@ -41,6 +41,14 @@ def test_upstream_push_is_refused_by_name(monkeypatch):
         across_serve.refuse_unless_able(settings)
 
 
+def test_servers_compute_in_small_steps_unless_told_otherwise():
+    small = across_serve.in_small_steps(serve.Settings(vllm_args=("--enforce-eager",)))
+    assert small.vllm_args == ("--enforce-eager", "--max-num-batched-tokens", "512")
+    for chosen in (("--max-num-batched-tokens", "2048"), ("--max-num-batched-tokens=2048",)):
+        settings = serve.Settings(vllm_args=chosen)
+        assert across_serve.in_small_steps(settings).vllm_args == chosen
+
+
 def _deployment(tmp_path: Path, config: str) -> AcrossDeployment:
     settings = serve.Settings(configs=(config,), lengths=(3072,))
     return AcrossDeployment(config, settings, tmp_path, tmp_path, TwoHosts(reachable=True))
