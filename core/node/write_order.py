@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvpush.errors import KVPushError
@@ -30,26 +31,42 @@ from kvpush.transport.agent import WRITE_ORDERS
 
 MAX_WRITES_PER_POST = 64
 
-# UCX transport names (UCX_TLS), by how they reach a peer.
-SHARED_MEMORY = frozenset({"sm", "shm", "mm", "posix", "sysv", "xpmem", "cma", "knem",
-                           "cuda_ipc", "rocm_ipc", "ze_ipc"})  # fmt: skip
-RDMA = frozenset({"ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x",
-                  "ud_verbs", "ud_mlx5", "dc", "dc_x", "dc_mlx5"})  # fmt: skip
-FAMILY_ALIASES = {SHARED_MEMORY: {"sm", "shm", "mm"}, RDMA: {"ib"}}
+
+@dataclass(frozen=True)
+class Family:
+    """UCX transports that reach a peer one way, as UCX_TLS names them."""
+
+    members: frozenset[str]
+    aliases: frozenset[str] = frozenset()  # names UCX_TLS gives the whole family
+    suffix: str = ""  # a transport named so belongs too
+
+    def has(self, name: str) -> bool:
+        in_name = bool(self.suffix) and name.endswith(self.suffix)
+        return name in self.members or name in self.aliases or in_name
+
+
+# Within one machine: shared memory, and an accelerator's own IPC ("<device>_ipc").
+SHARED_MEMORY = Family(
+    frozenset({"posix", "sysv", "xpmem", "cma", "knem"}), frozenset({"sm", "shm", "mm"}), "_ipc"
+)
+RDMA_TRANSPORTS = {"rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x",
+                   "ud_verbs", "ud_mlx5", "dc", "dc_x", "dc_mlx5"}  # fmt: skip
+RDMA = Family(frozenset(RDMA_TRANSPORTS), frozenset({"ib"}))
+TCP = Family(frozenset({"tcp"}))
 RDMA_DEVICES = Path("/sys/class/infiniband")
 
 Handed = tuple[float, list[PostWrite]]  # when the WRITEs were handed off, and they
 
 
-def ucx_allows(transports: frozenset[str], tls: str) -> bool:
-    """Whether UCX_TLS's value `tls` ("" when unset) lets UCX use any of `transports`."""
+def ucx_allows(family: Family, tls: str) -> bool:
+    """Whether UCX_TLS's value `tls` ("" when unset) lets UCX use any of `family`."""
     names = {n.strip().split(":")[0] for n in tls.lstrip("^").split(",") if n.strip()}
     if not names or ("all" in names and not tls.startswith("^")):
         return True
     if not tls.startswith("^"):
-        return bool(transports & names)
+        return any(family.has(name) for name in names)
     # "^shm" drops the whole family; "^cma" leaves its other members.
-    return not (FAMILY_ALIASES.get(transports, set()) & names or transports <= names)
+    return not (family.aliases & names or family.members <= names)
 
 
 def rdma_here() -> bool:
@@ -70,7 +87,7 @@ def tcp_lane(ours: str, theirs: str, tls: str, rdma: bool) -> bool:
         return False
     if rdma and ucx_allows(RDMA, tls):
         return False
-    return ucx_allows(frozenset({"tcp"}), tls)
+    return ucx_allows(TCP, tls)
 
 
 class SideBySide:

@@ -9,7 +9,7 @@ from kvpush.errors import KVPushError
 from kvpush.node import write_order
 from kvpush.node.write_order import OldestFirst, SideBySide, choose, tcp_lane, ucx_allows
 
-SHM, RDMA, TCP = write_order.SHARED_MEMORY, write_order.RDMA, frozenset({"tcp"})
+SHM, RDMA, TCP = write_order.SHARED_MEMORY, write_order.RDMA, write_order.TCP
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,8 @@ SHM, RDMA, TCP = write_order.SHARED_MEMORY, write_order.RDMA, frozenset({"tcp"})
         ("tcp,self", False, False, True),
         ("tcp", False, False, True),
         ("sm,self", True, False, False),
+        ("rocm_ipc,self", True, False, False),  # an accelerator's IPC: one machine
+        ("rocm_ipc,tcp", True, False, True),
         ("rc,tcp", False, True, True),
         ("rc_mlx5:aux,self", False, True, False),
         ("^shm", False, True, True),  # the family's alias drops all of it
