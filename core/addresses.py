@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 ENV_HOST_IP = "VLLM_HOST_IP"
 LOOPBACK = "127.0.0.1"
 ROUTE_TABLE = Path("/proc/net/route")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # this kernel's, new at every boot
 RTF_UP = 0x1
 SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
@@ -127,12 +128,11 @@ def network_id() -> str:
     and the network namespace (the host name where /proc does not say). Equal for
     two processes exactly when one's 127.0.0.1 is the other's."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.stat("/proc/self/ns/net")
-        where = f"{boot}/{namespace.st_dev}/{namespace.st_ino}"
+        where = f"{BOOT_ID.read_text().strip()}/{namespace.st_dev}/{namespace.st_ino}"
     except OSError:
         where = socket.gethostname()
-    return hashlib.sha256(where.encode()).hexdigest()[:16]
+    return _digest(where)
 
 
 @functools.cache
@@ -141,10 +141,14 @@ def machine_id() -> str:
     name where /proc does not say). Equal for two processes of one kernel, whatever
     their network namespaces."""
     try:
-        where = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        where = BOOT_ID.read_text().strip()
     except OSError:
         where = socket.gethostname()
-    return hashlib.sha256(f"machine/{where}".encode()).hexdigest()[:16]
+    return _digest(f"machine/{where}")
+
+
+def _digest(where: str) -> str:
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 def loopback_problem(peer: str, theirs: str, ours: str) -> str | None:
