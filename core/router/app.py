@@ -63,7 +63,7 @@ from kvpush.router.request import (
     describe,
     upstream_message,
 )
-from kvpush.router.route import Planner
+from kvpush.router.route import Computing, Planner
 from kvpush.router.startup import introduction, listening
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,9 @@ class Router:
                 self._refuse_unpairable(route.prefill, route.decode)
             for instance in legs:
                 instance.outstanding += 1
+            computing = Computing(route.computer, route.computing)
+            request[TRACE].at("prefill_answered" if route.prefill else "first_byte",
+                              computing.done)  # fmt: skip
             try:
                 if route.prefill is None:  # the client's request, as a plain instance gets it
                     request[TRACE].mark("decode_sent")
@@ -268,6 +271,7 @@ class Router:
                 self.metrics.inc("retries", role=exc.instance.role)
                 log.warning("kvpush router: retrying on another instance: %s", exc.message)
             finally:
+                computing.done()
                 for instance in legs:
                     instance.outstanding -= 1
         raise AssertionError("unreachable")

@@ -25,6 +25,9 @@ class Instance:
     role: str  # "prefill" | "decode"
     identity_url: str | None = None
     outstanding: int = 0
+    # Prompt tokens its requests in flight compute before their first token (placement
+    # weighs them: a prompt sent here waits for them); the router's estimate.
+    computing: int = 0
     # Its kvpush identity by data-parallel rank (each DP rank is an engine of its own).
     ranks: dict[int, InstanceIdentity] = field(default_factory=dict, repr=False)
     ejected_until: float = 0.0  # monotonic time; picked again only after it

@@ -182,7 +182,8 @@ class Membership:
 
     async def list_(self, request: web.Request) -> web.Response:
         return web.json_response([
-            {"url": i.url, "role": i.role, "outstanding": i.outstanding, "up": i.up,
+            {"url": i.url, "role": i.role, "outstanding": i.outstanding,
+             "computing_tokens": i.computing, "up": i.up,
              "state": "draining" if i.draining else "open", "kv_events": i.kv_events}
             for i in self.everyone()
         ])  # fmt: skip

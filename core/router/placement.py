@@ -6,12 +6,18 @@ A pair's cost is counted in prompt tokens:
   prefill holds), weighed `compute`;
 - transfer to decode: the tokens decode must load (less the prefix it holds:
   decode loads only what it lacks), weighed `transfer`;
+- the compute already queued on each: the prompt tokens its requests still
+  compute before their first token (the router counts them, as Dynamo's router
+  counts active prefill blocks), weighed `compute`, since a new prompt waits for
+  them;
 - the queue on each: its requests in flight, each as `queue_tokens` tokens.
-A request on decode alone costs the tokens decode must compute and decode's queue.
-The lowest cost wins; ties go round robin. A session's next turn shares its
-prefix, so the decode that holds it wins unless its queue outweighs the prefix.
-vLLM's router takes the least loaded instance when loads differ by more than a
-threshold; here the queue term does that, in the same units as the prefix saved.
+A request on decode alone costs the tokens decode must compute, the compute queued
+there and decode's queue. The lowest cost wins; ties go round robin. A session's
+next turn shares its prefix, so the instance that holds it wins unless what waits
+there outweighs the prefix: one long prompt being computed does, as a count of
+requests would not say. vLLM's router takes the least loaded instance when loads
+differ by more than a threshold; here the queue terms do that, in the same units
+as the prefix saved.
 
 Pure: instances with their cached tokens and queues in, the choice out.
 """
@@ -41,14 +47,18 @@ class Candidate:
     key: object  # what the caller picks (an Instance)
     cached: int  # prompt tokens it holds
     queue: int  # requests in flight there
+    computing: int = 0  # prompt tokens its requests in flight compute before a first token
 
 
 def alone_cost(w: Weights, prompt: int, decode: Candidate) -> float:
-    return w.compute * max(prompt - decode.cached, 0) + w.queue_tokens * decode.queue
+    computed = max(prompt - decode.cached, 0) + decode.computing
+    return w.compute * computed + w.queue_tokens * decode.queue
 
 
 def pair_cost(w: Weights, prompt: int, prefill: Candidate, decode: Candidate) -> float:
-    computed = max(prompt - prefill.cached, 0)
+    # Decode's own queued compute counts too: its next step, the one that takes the
+    # KV and samples, runs with the prompts it is computing.
+    computed = max(prompt - prefill.cached, 0) + prefill.computing + decode.computing
     loaded = max(prompt - decode.cached, 0)
     queues = prefill.queue + decode.queue
     return w.compute * computed + w.transfer * loaded + w.queue_tokens * queues

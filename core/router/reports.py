@@ -61,6 +61,7 @@ class Reports:
                 "role": i.role,
                 "healthy": ok,
                 "outstanding": i.outstanding,
+                "computing_tokens": i.computing,
                 "draining": i.draining,
             }
             for i, ok in zip(everyone, states, strict=True)

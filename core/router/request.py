@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +52,18 @@ class Trace:
     marks: dict[str, float] = field(default_factory=lambda: {"received": time.monotonic()})
     seed: int | None = None  # the sampling seed the router gave both legs, if it did
     route: dict[str, Any] | None = None  # where it ran and why (route.py), once decided
+    _hooks: dict[str, list[Callable[[], None]]] = field(default_factory=dict, repr=False)
 
     def mark(self, milestone: str) -> None:
+        """The milestone reached (its first time is kept); what waits on it runs,
+        so a retry's hook runs at the retry's milestone, not the first attempt's."""
         self.marks.setdefault(milestone, time.monotonic())
+        for hook in self._hooks.pop(milestone, ()):
+            hook()
+
+    def at(self, milestone: str, hook: Callable[[], None]) -> None:
+        """Run `hook` the next time `milestone` is marked."""
+        self._hooks.setdefault(milestone, []).append(hook)
 
     def since(self, start: str, end: str) -> float | None:
         if start in self.marks and end in self.marks:

@@ -44,6 +44,12 @@ class Route:
     decision: Decision
     tokens: list[int] | None
     cached: int = 0  # prompt tokens the decode instance holds, as the index says
+    computing: int = 0  # prompt tokens its computing instance (prefill's, or decode) lacks
+
+    @property
+    def computer(self) -> Instance:
+        """The instance that computes the prompt."""
+        return self.prefill or self.decode
 
     def as_dict(self) -> dict[str, Any]:
         """For the request's trace. `decode`: the instance that decodes (on a whole
@@ -52,7 +58,24 @@ class Route:
                 "decode": self.decode.url, "decode_role": self.decode.role,
                 "prefill": self.prefill and self.prefill.url,
                 "prompt_tokens": None if self.tokens is None else len(self.tokens),
-                "cached_on_decode": self.cached}  # fmt: skip
+                "cached_on_decode": self.cached, "computing": self.computing}  # fmt: skip
+
+
+@dataclass
+class Computing:
+    """A request's prompt tokens counted on the instance that computes them, from
+    dispatch until `done()`: once that instance's part of the first token is out
+    (prefill's answer; a whole request's first byte), or the attempt ended."""
+
+    instance: Instance
+    tokens: int
+
+    def __post_init__(self) -> None:
+        self.instance.computing += self.tokens
+
+    def done(self) -> None:
+        self.instance.computing -= self.tokens
+        self.tokens = 0
 
 
 class Planner:
@@ -122,6 +145,9 @@ class Planner:
             if not decision.disaggregate:
                 prefill, decode = None, whole
         cached = self._cached(decode, tokens, chains)
+        computing = 0
+        if tokens is not None:
+            computing = max(len(tokens) - self._cached(prefill or decode, tokens, chains), 0)
         self.metrics.inc("router_decisions", path=decision.path, reason=decision.reason)
         if not decision.disaggregate:
             self.metrics.inc("router_whole_requests", role=decode.role)
@@ -130,7 +156,7 @@ class Planner:
             self.metrics.inc("router_decode_cached_tokens", cached)
         log.debug("kvpush router: %s (%s): decode %s, prefill %s", decision.path,
                   decision.reason, decode.url, prefill and prefill.url)  # fmt: skip
-        return Route(decode, prefill, decision, tokens, cached)
+        return Route(decode, prefill, decision, tokens, cached, computing)
 
     def _scored_route(
         self, tokens: list[int], avoid: Instance | None,
@@ -179,7 +205,8 @@ class Planner:
     def _scored(
         self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]]
     ) -> list[Candidate]:
-        return [Candidate(i, self._cached(i, tokens, chains), i.outstanding) for i in instances]
+        return [Candidate(i, self._cached(i, tokens, chains), i.outstanding, i.computing)
+                for i in instances]  # fmt: skip
 
 
 def _block_size(instance: Instance) -> int:

@@ -21,7 +21,9 @@ from kvpush.addresses import loopback_problem
 from kvpush.identities import InstanceIdentity, decode_params, parse_identity
 from kvpush.ports import free_port
 from kvpush.router.app import Router, RouterConfig, event_loop
+from kvpush.router.decide import DecisionRule
 from kvpush.router.instances import Instance, pairing_problem
+from kvpush.router.policy import RoutingPolicy
 
 ECHO = {"remote_engine_id": "e", "remote_epoch": "x", "transfer_mode": "push",
         "remote_addresses": ["127.0.0.1:1"], "tp_size": 1}  # fmt: skip
@@ -726,3 +728,81 @@ def test_a_loopback_producer_refused_by_decode_reaches_the_client_and_the_log(ca
     assert (status, answer["error"]["type"]) == (500, "kv_transfer_error")
     assert "127.0.0.1:38503, a loopback address" in answer["error"]["message"]
     assert any("127.0.0.1:38503, a loopback address" in r.getMessage() for r in caplog.records)
+
+
+def test_a_long_prompt_being_computed_sends_a_turn_sharing_its_prefix_elsewhere():
+    """The router counts on each instance the prompt tokens its requests compute
+    before their first token, and placement weighs them: a turn whose prefix sits
+    where a long prompt is being computed would wait behind it, so it goes to the
+    idle instance. Counted by requests alone (one, 512 tokens), the prefix would win."""
+
+    async def scenario():
+        computed = asyncio.Event()
+
+        async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+            if len(body["prompt"]) > 2000:
+                await computed.wait()  # its prompt is being computed until then
+                return await streaming(pieces=3, gap=0.3)(request, body)
+            return await streaming(pieces=1, gap=0)(request, body)
+
+        decodes = [Fake(answer), Fake(answer)]
+        policy = RoutingPolicy(DecisionRule("never"), placement="prefix")
+        prefill = Fake(prefill_ok)
+        router, runner, url = await _serve([prefill], decodes, policy=policy)
+        prefix = list(range(6, 1006))
+        long_prompt = prefix + [7] * 2000
+        async with aiohttp.ClientSession() as http:
+
+            async def send(prompt: list[int]) -> None:
+                body = {"model": "m", "prompt": prompt, "stream": True}
+                async with http.post(url + "/v1/completions", json=body) as response:
+                    assert response.status == 200
+                    await response.text()
+
+            await send(prefix)
+            held = router.index.cached_tokens
+            holder, other = sorted(router.decode.instances, key=lambda i: -held(i.url, prefix))
+            long_request = asyncio.ensure_future(send(long_prompt))
+            while holder.outstanding == 0:
+                await asyncio.sleep(0.01)
+            lacks = len(long_prompt) - router.index.cached_tokens(holder.url, long_prompt)
+            assert (holder.computing, other.computing) == (lacks, 0) and lacks > 2000
+            await send(prefix + [9] * 50)
+            fakes = {i.url: f for i, f in zip(router.decode.instances, decodes, strict=True)}
+            assert fakes[other.url].bodies[-1]["prompt"] == prefix + [9] * 50
+            computed.set()
+            while holder.computing:  # its first byte is out; the rest still streams
+                await asyncio.sleep(0.01)
+            assert holder.outstanding == 1
+            await long_request
+        assert [(i.computing, i.outstanding) for i in router.decode.instances] == [(0, 0)] * 2
+        await _close(runner, [prefill, *decodes])
+
+    run(scenario())
+
+
+def test_a_prefill_legs_compute_is_counted_on_prefill_until_it_answers():
+    async def scenario():
+        answered = asyncio.Event()
+
+        async def slow_prefill(request: web.Request, body: dict) -> web.Response:
+            await answered.wait()
+            return await prefill_ok(request, body)
+
+        prefill, decode = Fake(slow_prefill), Fake(decode_ok)
+        policy = RoutingPolicy(DecisionRule("always"), placement="prefix")
+        router, runner, url = await _serve([prefill], [decode], policy=policy)
+        p, d = router.prefill.instances[0], router.decode.instances[0]
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "m", "prompt": list(range(6, 606))}
+            sent = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
+            while p.outstanding == 0:
+                await asyncio.sleep(0.01)
+            assert (p.computing, d.computing) == (600, 0)
+            answered.set()
+            async with await sent as response:
+                assert response.status == 200
+        assert (p.computing, p.outstanding) == (0, 0)
+        await _close(runner, [prefill, decode])
+
+    run(scenario())

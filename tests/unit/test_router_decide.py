@@ -19,7 +19,8 @@ from kvpush.router.kv_events import Subscription, apply
 from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy, add_options, policy_of, roles
 from kvpush.router.prefix import Blocks, PrefixIndex, chain
-from kvpush.router.route import Planner
+from kvpush.router.request import Trace
+from kvpush.router.route import Computing, Planner
 
 AUTO = DecisionRule("auto", min_uncached_tokens=2048, alone_when_idle=True, prefill_queue_gap=4)
 
@@ -326,3 +327,54 @@ def test_aggregate_on_names_prefill_decode_or_both():
     assert policy_of(parser.parse_args([])).aggregate_on == ("decode",)
     args = parser.parse_args(["--aggregate-on", "prefill,decode"])
     assert policy_of(args).aggregate_on == ("prefill", "decode")
+
+
+def test_compute_queued_on_an_instance_outweighs_the_prefix_it_holds():
+    """A turn whose 1,000-token prefix sits where a long prompt is being computed
+    goes elsewhere: one request in flight weighs 512 tokens, but that request's
+    2,000 uncomputed tokens are what the turn would wait behind."""
+    w = Weights(queue_tokens=512)
+    decoding = Candidate("d0", 1000, 1, computing=0)  # its one request is past its first token
+    computing = Candidate("d0", 1000, 1, computing=2000)
+    other = Candidate("d1", 0, 0)
+    assert place_alone(w, 1050, [decoding, other], turn=0) == "d0"
+    assert place_alone(w, 1050, [computing, other], turn=0) == "d1"
+    # A pair counts what prefill and decode each still compute.
+    p, d = Candidate("p0", 0, 0, computing=300), Candidate("d0", 0, 0, computing=200)
+    assert pair_cost(w, 1000, p, d) == 1000 + 300 + 200 + 0.25 * 1000
+
+
+def test_a_route_names_the_tokens_its_computing_instance_lacks():
+    planner, _ = _fleet(("decode",), rule=DecisionRule("never"))
+    first = _whole_where(planner, LONG_PROMPT)
+    route = planner.plan(LONG_PROMPT + [7] * 100, None, lambda p, d: True)
+    assert route.decode is first and route.computer is first
+    assert route.computing == len(LONG_PROMPT) + 100 - route.cached > 0
+    assert route.as_dict()["computing"] == route.computing
+    busy = DecisionRule("auto", alone_when_idle=False)
+    planner, _ = _fleet(("decode",), rule=busy)
+    paired = planner.plan(LONG_PROMPT, None, lambda p, d: True)
+    assert paired.computer is paired.prefill and paired.computing == len(LONG_PROMPT)
+
+
+def test_computing_counts_on_its_instance_until_done_once():
+    instance = Instance("http://d:1", "decode")
+    first, second = Computing(instance, 300), Computing(instance, 200)
+    assert instance.computing == 500
+    first.done()
+    first.done()  # the milestone, then the attempt's end: counted off once
+    assert instance.computing == 200
+    second.done()
+    assert instance.computing == 0
+
+
+def test_a_milestone_runs_what_waits_on_it_at_its_next_mark_only():
+    trace, ran = Trace(), []
+    trace.mark("first_byte")  # an earlier attempt's
+    trace.at("first_byte", lambda: ran.append(1))
+    assert ran == []
+    trace.mark("prefill_answered")
+    assert ran == []
+    trace.mark("first_byte")
+    trace.mark("first_byte")
+    assert ran == [1]
