@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvpush.bench import chat, load
+from kvpush.bench import chat, load, serve_report
 from kvpush.bench.cpu import parse_cpus, pin_tree
 from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
@@ -335,6 +335,19 @@ def verdicts(cells: list[FleetCell]) -> list[str]:
     return lines
 
 
+def plots(cells: list[FleetCell], out: Path) -> list[Path]:
+    """Per fleet and placement, `ttft-cdf-<fleet>-<placement>.png`: each
+    configuration's TTFTs as a CDF, a panel per rate."""
+    written: list[Path] = []
+    for fleet in dict.fromkeys(c.fleet for c in cells):
+        for placement in dict.fromkeys(c.placement for c in cells):
+            mine = [c for c in cells if (c.fleet, c.placement) == (fleet, placement)]
+            if mine:
+                path = out / f"ttft-cdf-{fleet}-{placement}.png"
+                written += serve_report.ttft_cdf(mine, path, f"{fleet} {placement}")
+    return written
+
+
 def _mark(ok: bool) -> str:
     return "met   " if ok else "missed"
 
@@ -363,6 +376,7 @@ def main(settings: Settings, out: Path, as_json: bool) -> int:
     cells = FleetBench(settings, out, report).run()
     table = markdown(cells) + "\n" + "\n".join(verdicts(cells)) + "\n"
     (out / "table.md").write_text(table)
+    plots(cells, out)
     report.finish(lambda _: print(table))
     print(f"kvpush bench serve --fleet: results in {out}", file=sys.stderr)
     return 1 if sum(c.failures + c.mismatches for c in cells) else 0

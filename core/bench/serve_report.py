@@ -26,9 +26,8 @@ from kvpush.bench.serve import (
 )
 
 
-def plots(cells: list[Cell], out: Path) -> list[Path]:
-    """Per placement: TTFT and TPOT p50 by configuration (against request rate, or as
-    bars when the run had one rate), where the mean TTFT goes, and TTFT's CDF."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing to files, or None (said) where it is not installed."""
     try:
         import matplotlib
 
@@ -37,6 +36,15 @@ def plots(cells: list[Cell], out: Path) -> list[Path]:
     except ImportError:
         print("kvpush bench serve: no matplotlib, no plots (pip install matplotlib)",
               file=sys.stderr)  # fmt: skip
+        return None
+    return plt
+
+
+def plots(cells: list[Cell], out: Path) -> list[Path]:
+    """Per placement: TTFT and TPOT p50 by configuration (against request rate, or as
+    bars when the run had one rate), where the mean TTFT goes, and TTFT's CDF."""
+    plt = _pyplot()
+    if plt is None:
         return []
     written = []
     for placement in sorted({c.placement for c in cells}):
@@ -51,8 +59,27 @@ def plots(cells: list[Cell], out: Path) -> list[Path]:
     return written
 
 
+def ttft_cdf(cells: list[Cell], path: Path, where: str) -> list[Path]:
+    """Every request's TTFT as a CDF per configuration, a panel per (length, rate);
+    `where` names the cells' deployment in the titles (a fleet's shape and placement)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    return [_save(plt, _per_cell(plt, cells, _cdf_lines, "share of requests", where), path)]
+
+
 def _configs(cells: list[Cell]) -> list[str]:
-    return [config for config in CONFIGS if any(c.config == config for c in cells)]
+    """The cells' configurations: serve's in its order, then others (a fleet's) as met."""
+    met = list(dict.fromkeys(c.config for c in cells))
+    return [c for c in CONFIGS if c in met] + [c for c in met if c not in CONFIGS]
+
+
+def _color(config: str, cells: list[Cell]) -> str:
+    """One colour per configuration in every plot of a run."""
+    if config in CONFIGS:
+        return f"C{CONFIGS.index(config)}"
+    others = [c for c in _configs(cells) if c not in CONFIGS]
+    return f"C{len(CONFIGS) + others.index(config)}"
 
 
 def _by_rate(plt: Any, cells: list[Cell], metric: str, label: str) -> Any:
@@ -66,14 +93,14 @@ def _by_rate(plt: Any, cells: list[Cell], metric: str, label: str) -> Any:
         if len(rates) == 1:
             names = _configs(here)
             values = [next(getattr(c, metric) for c in here if c.config == n) for n in names]
-            bars = axis.bar(names, values, color=[f"C{CONFIGS.index(n)}" for n in names])
+            bars = axis.bar(names, values, color=[_color(n, here) for n in names])
             axis.bar_label(bars, fmt="%.0f")
             axis.set_title(f"{length}-token prompts, {rates[0]:g}/s, {cells[0].placement}")
         else:
             for config in _configs(here):
                 points = sorted((c.rate, getattr(c, metric)) for c in here if c.config == config)
                 axis.plot(*zip(*points, strict=True), marker="o", label=config,
-                          color=f"C{CONFIGS.index(config)}")  # fmt: skip
+                          color=_color(config, here))  # fmt: skip
             axis.set_title(f"{length}-token prompts, {cells[0].placement}")
             axis.set_xlabel("requests per second")
             axis.set_yscale("log")
@@ -83,8 +110,9 @@ def _by_rate(plt: Any, cells: list[Cell], metric: str, label: str) -> Any:
 
 
 def _per_cell(plt: Any, cells: list[Cell], draw: Callable[[Any, list[Cell]], None],
-              label: str) -> Any:  # fmt: skip
-    """A panel per (prompt length, rate), drawn by `draw` from that cell's configurations."""
+              label: str, where: str = "") -> Any:  # fmt: skip
+    """A panel per (prompt length, rate), drawn by `draw` from that cell's configurations;
+    titled with `where` (by default the cells' placement)."""
     lengths = sorted({c.prompt_len for c in cells})
     rates = sorted({c.rate for c in cells})
     figure, axes = plt.subplots(
@@ -94,7 +122,7 @@ def _per_cell(plt: Any, cells: list[Cell], draw: Callable[[Any, list[Cell]], Non
         for column, length in enumerate(lengths):
             axis = axes[row][column]
             draw(axis, [c for c in cells if c.prompt_len == length and c.rate == rate])
-            axis.set_title(f"{length}-token prompts, {rate:g}/s, {cells[0].placement}")
+            axis.set_title(f"{length}-token prompts, {rate:g}/s, {where or cells[0].placement}")
             axis.set_ylabel(label)
     return figure
 
@@ -126,7 +154,7 @@ def _cdf_lines(axis: Any, cells: list[Cell]) -> None:
             # From 0 at the fastest request: each request is a rise of 1/n.
             shares = [i / len(ttfts) for i in range(len(ttfts) + 1)]
             axis.step([ttfts[0], *ttfts], shares, where="post", label=config,
-                      color=f"C{CONFIGS.index(config)}")  # fmt: skip
+                      color=_color(config, cells))  # fmt: skip
     axis.set_ylim(0, 1.02)
     axis.set_xlabel("TTFT (ms)")
     axis.set_xscale("log")

@@ -116,6 +116,23 @@ def test_verdicts_say_met_only_where_decide_meets_each_target():
     assert "| 85 % | 100 % | 0.85 |" in table
 
 
+def test_a_ttft_cdf_is_drawn_per_fleet_and_placement_each_configuration_its_own_colour(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dataclasses import replace
+
+    from kvpush.bench import serve_report
+
+    cells = [_cell(config, 20.0 * (i + 1), 90.0, rate)
+             for rate in (1.0, 4.0) for i, config in enumerate(fleet.CONFIGS)]  # fmt: skip
+    cells += [replace(c, fleet="2p2d") for c in cells]
+    written = fleet.plots(cells, tmp_path)
+    assert sorted(p.name for p in written) == ["ttft-cdf-1p2d-pinned.png",
+                                               "ttft-cdf-2p2d-pinned.png"]  # fmt: skip
+    assert all(p.stat().st_size > 1000 for p in written)
+    colours = {serve_report._color(config, cells) for config in fleet.CONFIGS}
+    assert len(colours) == 3 and serve_report._color("plain", cells) not in colours
+
+
 def test_the_command_line_runs_the_fleet_bench_with_its_own_configurations(monkeypatch, tmp_path):
     from kvpush.cli import main
 
