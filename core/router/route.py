@@ -146,8 +146,9 @@ class Planner:
                 prefill, decode = None, whole
         cached = self._cached(decode, tokens, chains)
         computing = 0
-        if tokens is not None:
-            computing = max(len(tokens) - self._cached(prefill or decode, tokens, chains), 0)
+        if tokens is not None:  # what the instance computing the prompt lacks of it
+            held = cached if prefill is None else self._cached(prefill, tokens, chains)
+            computing = max(len(tokens) - held, 0)
         self.metrics.inc("router_decisions", path=decision.path, reason=decision.reason)
         if not decision.disaggregate:
             self.metrics.inc("router_whole_requests", role=decode.role)

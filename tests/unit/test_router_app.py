@@ -789,7 +789,7 @@ def test_a_prefill_legs_compute_is_counted_on_prefill_until_it_answers():
             await answered.wait()
             return await prefill_ok(request, body)
 
-        prefill, decode = Fake(slow_prefill), Fake(decode_ok)
+        prefill, decode = Fake(slow_prefill), Fake(sleeping(0.5))  # decode answers late
         policy = RoutingPolicy(DecisionRule("always"), placement="prefix")
         router, runner, url = await _serve([prefill], [decode], policy=policy)
         p, d = router.prefill.instances[0], router.decode.instances[0]
@@ -800,6 +800,9 @@ def test_a_prefill_legs_compute_is_counted_on_prefill_until_it_answers():
                 await asyncio.sleep(0.01)
             assert (p.computing, d.computing) == (600, 0)
             answered.set()
+            while not decode.bodies:  # prefill answered; decode has the request now
+                await asyncio.sleep(0.01)
+            assert (p.computing, p.outstanding) == (0, 1) and not sent.done()
             async with await sent as response:
                 assert response.status == 200
         assert (p.computing, p.outstanding) == (0, 0)
