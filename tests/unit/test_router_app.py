@@ -789,7 +789,13 @@ def test_a_prefill_legs_compute_is_counted_on_prefill_until_it_answers():
             await answered.wait()
             return await prefill_ok(request, body)
 
-        prefill, decode = Fake(slow_prefill), Fake(sleeping(0.5))  # decode answers late
+        decoded = asyncio.Event()
+
+        async def slow_decode(request: web.Request, body: dict) -> web.Response:
+            await decoded.wait()
+            return await decode_ok(request, body)
+
+        prefill, decode = Fake(slow_prefill), Fake(slow_decode)
         policy = RoutingPolicy(DecisionRule("always"), placement="prefix")
         router, runner, url = await _serve([prefill], [decode], policy=policy)
         p, d = router.prefill.instances[0], router.decode.instances[0]
@@ -803,6 +809,7 @@ def test_a_prefill_legs_compute_is_counted_on_prefill_until_it_answers():
             while not decode.bodies:  # prefill answered; decode has the request now
                 await asyncio.sleep(0.01)
             assert (p.computing, p.outstanding) == (0, 1) and not sent.done()
+            decoded.set()
             async with await sent as response:
                 assert response.status == 200
         assert (p.computing, p.outstanding) == (0, 0)
