@@ -394,10 +394,13 @@ class DataPath:
         """Wait on the fence of every layer the WRITE reads.
 
         Each, not just the latest: a backend's fence may cover only its own layer.
+        A fence is forgotten only once its wait returned: after a failed wait the
+        KV may not be written yet, and a retry of the WRITE must wait again.
         """
         fences = self._fences.get(transfer_id, {})
         for layers in sorted(layers for layers in fences if layers <= upto):
-            self.backends.wait_fence(self.kv, fences.pop(layers))
+            self.backends.wait_fence(self.kv, fences[layers])
+            del fences[layers]
 
     # -- progress ----------------------------------------------------------------------
 

@@ -57,7 +57,9 @@ class RemotePeer:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(10)
+        # Generous: a killed process is gone only once the kernel has torn down its
+        # memory, which takes seconds on a CI machine full of vLLM engines.
+        self.proc.wait(120)
 
 
 @pytest.fixture

@@ -97,6 +97,7 @@ class FakeBackends:
         self.staged: list[tuple[list[int], str]] = []
         self.waited: list[object] = []
         self.bad_blocks: set[int] = set()
+        self.bad_fences: set[object] = set()
 
     def stage(self, kv, block_ids, direction: str) -> None:
         if self.bad_blocks & set(block_ids):
@@ -105,6 +106,8 @@ class FakeBackends:
 
     def wait_fence(self, kv, fence) -> None:
         self.waited.append(fence)
+        if fence in self.bad_fences:
+            raise BackendError("waiting for the fence failed")
 
 
 class Clock:
@@ -313,6 +316,20 @@ def test_a_write_waits_on_each_fence_it_reads_in_layer_order_and_only_once(path)
     assert backends.waited == ["f1", "f2"]
     data.post_writes([_write("a", layers=(2, 3))])
     assert backends.waited == ["f1", "f2", "f3"]
+
+
+def test_a_write_whose_fence_wait_failed_waits_on_it_again_when_retried(path):
+    # Without the second wait the retry would send KV the engine has not written yet.
+    data, agent, backends, _ = path
+    data.add_fence("a", LAYERS, "f")
+    backends.bad_fences = {"f"}
+    [settled] = data.post_writes([_write("a")])
+    assert not settled.ok and "fence failed" in settled.detail
+    assert agent.posts == []
+    backends.bad_fences = set()
+    data.post_writes([_write("a")])
+    assert backends.waited == ["f", "f"]
+    assert len(agent.posts) == 1
 
 
 def test_a_read_is_posted_to_its_producer_and_settles_as_a_read(path):
