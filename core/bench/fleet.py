@@ -251,7 +251,7 @@ class FleetBench(Bench):
         deciders = deployment.deciders(config)
         hits0, queries0 = deployment.prefix_counters(deciders)
         decided = deployment.decisions()  # the warm-up's, not the cell's
-        started = time.monotonic()
+        started, wall_start = time.monotonic(), time.time()
         if broken:
             outcomes = [load.Outcome(False, error=broken)] * s.requests
         else:
@@ -264,6 +264,8 @@ class FleetBench(Bench):
             self.expected[key] = [o.token_ids for o in outcomes]  # type: ignore[index]
         cell = summarize(config, placement, length, rate, outcomes,
                          self.expected.get(key), seconds, s, {}, {})  # type: ignore[call-overload]  # fmt: skip
+        name = f"traces-{deployment.config}-{placement}-{config}-{length}-{rate:g}.json"
+        self._write_traces(name, deployment, outcomes, send_at, wall_start)
         return FleetCell(**asdict(cell), fleet=deployment.config, prefix_hits=hits1 - hits0,
                          prefix_queries=queries1 - queries0,
                          best_hit_ratio=best_hit_ratio(batch, block),

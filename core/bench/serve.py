@@ -263,7 +263,7 @@ class Deployment:
         """Each kvpush instance's per-phase summary, where it serves one."""
         return self._ask_each("/kvpush/spans?reset=1", routers=False)
 
-    def traces(self, last: int) -> dict[str, list]:
+    def traces(self, last: int) -> dict[str, Any]:
         """The last `last` requests' traces (milestones per request) of each kvpush
         instance and router: the cell's outliers, explained afterwards."""
         return self._ask_each(f"/kvpush/trace?last={last}", routers=True)
@@ -497,7 +497,7 @@ class Bench:
             send_at = load.arrivals(s.requests, rate, seed)
         deployment.spans()  # start this cell's span counts afresh
         before = deployment.cpu_seconds()
-        started = time.monotonic()
+        started, wall_start = time.monotonic(), time.time()
         outcomes = asyncio.run(
             load.run(target, batch, send_at, s.output_tokens, s.request_timeout_s)
         )
@@ -511,11 +511,28 @@ class Bench:
             seconds, s, idle, busy,
         )  # fmt: skip
         cell.spans = deployment.spans()
-        traces = deployment.traces(s.requests)
-        if traces:
-            name = f"traces-{placement}-{deployment.config}-{length}-{rate:g}.json"
-            (self.out / name).write_text(json.dumps(traces))
+        name = f"traces-{placement}-{deployment.config}-{length}-{rate:g}.json"
+        self._write_traces(name, deployment, outcomes, send_at, wall_start)
         return cell
+
+    def _write_traces(
+        self,
+        name: str,
+        deployment: Deployment,
+        outcomes: list[load.Outcome],
+        send_at: list[float],
+        wall_start: float,
+    ) -> None:
+        """The cell's requests as the client saw them, beside the kvpush instances'
+        and the router's traces: a slow request's client send time (`wall_start` +
+        its `at_s`) finds it by the router's `received_unix`."""
+        traces = deployment.traces(len(outcomes))
+        client = [
+            {"at_s": round(at, 4), "ok": o.ok, "ttft_ms": round(o.ttft * 1e3, 3), "error": o.error}
+            for o, at in zip(outcomes, send_at, strict=True)
+        ]
+        traces["client"] = {"started_unix": round(wall_start, 4), "requests": client}
+        (self.out / name).write_text(json.dumps(traces))
 
 
 def markdown(cells: list[Cell]) -> str:

@@ -50,6 +50,7 @@ class Trace:
 
     transfer_id: str = ""
     marks: dict[str, float] = field(default_factory=lambda: {"received": time.monotonic()})
+    received_unix: float = field(default_factory=time.time)  # to line up with other logs
     seed: int | None = None  # the sampling seed the router gave both legs, if it did
     route: dict[str, Any] | None = None  # where it ran and why (route.py), once decided
     _hooks: dict[str, list[Callable[[], None]]] = field(default_factory=dict, repr=False)
@@ -74,6 +75,7 @@ class Trace:
         start = self.marks["received"]
         entry: dict[str, Any] = {
             "transfer_id": self.transfer_id,
+            "received_unix": round(self.received_unix, 4),
             "ms_since_received": {k: round((v - start) * 1e3, 3) for k, v in self.marks.items()},
         }
         if self.seed is not None:

@@ -139,3 +139,22 @@ def test_prefill_alone_runs_only_when_named():
     assert serve.Settings(configs=named).configs == named
     with pytest.raises(serve.KVPushError, match="unknown configuration"):
         serve.Settings(configs=("prefill-only",))
+
+
+def test_a_cells_traces_hold_each_request_as_the_client_saw_it_beside_the_servers(tmp_path):
+    class Traced:
+        def traces(self, last: int) -> dict:
+            return {"router": [{"transfer_id": f"t{i}"} for i in range(last)]}
+
+    bench = serve.Bench(SETTINGS, tmp_path, None)  # type: ignore[arg-type]
+    outcomes = [_ok(0.05, [1]), Outcome(False, error="refused")]
+    bench._write_traces("traces-x.json", Traced(), outcomes, [0.0, 1.25], 1000.0)  # type: ignore[arg-type]
+    written = json.loads((tmp_path / "traces-x.json").read_text())
+    assert written["router"] == [{"transfer_id": "t0"}, {"transfer_id": "t1"}]
+    assert written["client"]["started_unix"] == 1000.0
+    requests = written["client"]["requests"]
+    assert [(r["at_s"], r["ok"], r["ttft_ms"]) for r in requests] == [
+        (0.0, True, 50.0),
+        (1.25, False, 0.0),
+    ]
+    assert requests[1]["error"] == "refused"

@@ -5,6 +5,7 @@ small OpenAI-shaped servers (test_router_app.Fake): which leg each server gets, 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -41,10 +42,12 @@ def test_each_decision_path_sends_the_legs_it_says_and_is_counted_by_reason(mode
             assert await _post(http, url, LONG) == 200  # long, nothing cached
             assert prefill.bodies[-1]["kv_transfer_params"]["do_remote_decode"]
             assert decode.bodies[-1]["kv_transfer_params"]["do_remote_prefill"]
+            sent = time.time()
             assert await _post(http, url, LONG + [5] * 100) == 200  # decode holds LONG
             assert len(prefill.bodies) == 1
             async with http.get(url + "/kvpush/trace?last=1") as r:
                 [last] = await r.json()
+            assert sent <= last["received_unix"] <= time.time()  # when, to line up with logs
             assert last["route"]["reason"] == "cached_on_decode"
             assert last["route"]["cached_on_decode"] == 2992
             async with http.get(url + "/metrics") as r:
