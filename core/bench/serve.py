@@ -33,7 +33,8 @@ Each cell also records the time to the second token (T2T) and every request's TT
 and, on kvpush instances, the spans of where the time went (kvpush.vllm.spans).
 
 Results: JSON lines (results.jsonl, and stdout with --json), each cell's
-per-request traces from kvpush's instances and router (traces-*.json), a Markdown table
+per-request traces from kvpush's instances and router (traces-*.json), every
+server's and router's log (logs/), a Markdown table
 (table.md) and plots in --out, per placement: ttft-, tpot- (by rate, or bars for
 one rate), where- (mean TTFT split into its spans, a stacked bar per configuration)
 and ttft-cdf-<placement>.png.
@@ -397,8 +398,17 @@ class Bench:
                     lines.flush()
         finally:
             lines.close()
+            self._keep_logs(workdir)
             shutil.rmtree(workdir, ignore_errors=True)
         return self.report.results
+
+    def _keep_logs(self, workdir: Path) -> None:
+        """Every server's and router's log, into `out`/logs: an outlier in the traces
+        is explained there after the servers are gone."""
+        for log in workdir.rglob("*.log"):
+            kept = self.out / "logs" / log.relative_to(workdir)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, kept)
 
     def _configuration(self, config: str, workdir: Path, model: Path) -> list[Cell]:
         deployment = self._deployment(config, workdir, model)

@@ -158,3 +158,13 @@ def test_a_cells_traces_hold_each_request_as_the_client_saw_it_beside_the_server
         (1.25, False, 0.0),
     ]
     assert requests[1]["error"] == "refused"
+
+
+def test_every_servers_log_is_kept_in_the_output_after_the_run(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "push" / "prefill").mkdir(parents=True)
+    (work / "push" / "prefill" / "server.log").write_text("engine started")
+    (work / "push" / "router.log").write_text("routing")
+    serve.Bench(SETTINGS, out, None)._keep_logs(work)  # type: ignore[arg-type]
+    assert (out / "logs" / "push" / "prefill" / "server.log").read_text() == "engine started"
+    assert (out / "logs" / "push" / "router.log").read_text() == "routing"
