@@ -28,8 +28,8 @@ ZeroMQ learns the previous one left only when it next processes its commands, so
 steps written close together can lose the second notify. vLLM's own readers spin
 through such bursts; a parked one does not. So the engine process has the socket take
 in those acknowledgements before each send (step_notify), and parking also shortens
-vLLM's recheck interval (SHM_READER_RECHECK_INTERVAL_MS) to PARKED_RECHECK_MS as a
-safety net; the first step that is not parked puts vLLM's back.
+vLLM's recheck interval (SHM_READER_RECHECK_INTERVAL_MS, 5 s) to RECHECK_MS as a
+safety net; the first step that is not parked puts the interval back.
 
 Window margin (why it exists): when a prefill leg finishes, vLLM frees the
 sliding-window blocks that the next token's window no longer covers (every token
@@ -45,6 +45,10 @@ tens of milliseconds long, spins a core in each worker between requests, and the
 engine process spins likewise on its workers' result queues during each step. On
 kvpush instances each of those readers spins `reader_spin_s` (2 ms: longer than the
 gap between two steps of a busy engine, so under load they still never sleep).
+A reader that spins less sleeps on its notify socket more often, and the notify can
+be lost as above: on the workers' result queues too, whose writers step_notify does
+not reach. Asleep, it would see the step only at vLLM's 5 s recheck, so reader_spin
+shortens the recheck to RECHECK_MS as parking does.
 vLLM 0.34 adds a spin of its own in the engine process, up to a second per step
 while it waits for its workers' results (taking in requests meanwhile); engine_spin
 bounds it by the same `reader_spin_s`.
@@ -72,7 +76,7 @@ log = logging.getLogger(__name__)
 # a loss of unknown cause, or the cost where step_notify could not attach. An idle
 # parked worker wakes this often to look: 0.5 % of a core at 10 ms here (0.17 % at
 # 50 ms), against the core a spinning one burns.
-PARKED_RECHECK_MS = 10
+RECHECK_MS = 10
 # What "verified" means for each release a hook names: read here is its source, read
 # from its wheel by kvpush.vllm.contract; run is the e2e suite on vLLM's CPU build.
 VERIFIED_ON = {"0.32.0": "run", "0.33.0": "read", "0.34.0": "read"}
@@ -187,7 +191,7 @@ HOOKS = {
             True,
             "a parked worker misses about half the steps written within a millisecond "
             "of the one before, and sees each only at its recheck "
-            f"({PARKED_RECHECK_MS} ms)",
+            f"({RECHECK_MS} ms)",
             targets={
                 "SpinCondition.notify, local_notify_socket, is_reader": Target(
                     _SHM, "SpinCondition", ("notify", "local_notify_socket", "is_reader")
@@ -201,13 +205,15 @@ HOOKS = {
         Hook(
             "reader_spin",
             "busy_loop_s of the reading end of a worker's rpc_broadcast_mq and of the "
-            "executor's response_mqs (shm_broadcast.SpinCondition)",
+            "executor's response_mqs (shm_broadcast.SpinCondition), and "
+            "shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS",
             ("0.32.0", "0.33.0", "0.34.0"),
             True,
             "each worker, and the engine process during a step, spins a core for a "
             "second after every read, between requests too",
             targets={
                 "SpinCondition.busy_loop_s": Target(_SHM, "SpinCondition", ("busy_loop_s",)),
+                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (_RECHECK,)),
                 "MultiprocExecutor.response_mqs": Target(
                     _EXECUTOR, "MultiprocExecutor", ("response_mqs",)
                 ),
@@ -547,7 +553,7 @@ class Parking:
     def __init__(self, spin: Any | None, queue_module: ModuleType | None = None) -> None:
         self._spin = spin
         self._module = queue_module if hasattr(queue_module, _RECHECK) else None
-        self._vllm_recheck = getattr(self._module, _RECHECK, None)
+        self._resting: int | None = None  # the recheck to put back on unpark, while parked
 
     @classmethod
     def find(cls) -> Parking:
@@ -575,17 +581,27 @@ class Parking:
 
     def park(self) -> None:
         """Sleep on the socket, not spin, while waiting for the next step; look again
-        every PARKED_RECHECK_MS in case that step's notify was lost."""
+        every RECHECK_MS in case that step's notify was lost."""
         if self._spin is None:
             return
         self._spin.last_read = float("-inf")
-        if self._module is not None:
-            setattr(self._module, _RECHECK, min(PARKED_RECHECK_MS, self._vllm_recheck))
+        if self._module is not None and self._resting is None:
+            self._resting = getattr(self._module, _RECHECK)
+            _shorten_recheck(self._module)
 
     def unpark(self) -> None:
-        """A step with work came: vLLM's own spinning and recheck interval apply again."""
-        if self._module is not None:
-            setattr(self._module, _RECHECK, self._vllm_recheck)
+        """A step with work came: the recheck interval from before parking applies again
+        (vLLM's, or reader_spin's where that attached)."""
+        if self._module is not None and self._resting is not None:
+            setattr(self._module, _RECHECK, self._resting)
+            self._resting = None
+
+
+def _shorten_recheck(module: ModuleType | None) -> None:
+    """A sleeping reader of `module`'s queues looks for a step at least every
+    RECHECK_MS, whether or not the step's notify reached it."""
+    if module is not None and hasattr(module, _RECHECK):
+        setattr(module, _RECHECK, min(RECHECK_MS, getattr(module, _RECHECK)))
 
 
 def _spin_condition(owner: Any) -> Any | None:
@@ -615,8 +631,13 @@ def bound_reader_spin(spin_s: float, executor_side: bool) -> bool:
         # One GPU (the worker in the engine process), or another executor: no queue.
         RECORD.missed("reader_spin", "no multiprocess step or result queue on the stack")
         return False
+    shorter = any(spin_s < spin.busy_loop_s for spin in spins)
     for spin in spins:
         spin.busy_loop_s = spin_s
+    if shorter:
+        # A reader that stops spinning sooner sleeps on the notify socket more often,
+        # and a lost notify then costs it vLLM's whole recheck: a step seconds late.
+        _shorten_recheck(sys.modules.get(type(spins[0]).__module__))
     RECORD.attached("reader_spin")
     if not executor_side:
         warn_spinloop_extension()

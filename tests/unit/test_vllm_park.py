@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e .[vllm
 from vllm.distributed.device_communicators import shm_broadcast
 
 from kvpush.vllm import hooks
-from kvpush.vllm.hooks import PARKED_RECHECK_MS, Parking
+from kvpush.vllm.hooks import RECHECK_MS, Parking
 
 VLLM_RECHECK_MS = shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
 
@@ -138,7 +138,7 @@ def test_find_reaches_the_worker_loops_queue_and_its_module(queue):
     assert parking.available
     parking.park()
     assert reader._spin_condition.last_read == float("-inf")
-    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == PARKED_RECHECK_MS
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == RECHECK_MS
 
 
 def test_a_parked_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(queue):
@@ -149,6 +149,43 @@ def test_a_parked_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(qu
     parking.park()
     late = _read_after_lost_notify(writer, reader)
     assert late < 0.5, f"parked reader took {late:.3f}s past the write (vLLM's recheck is 5 s)"
+
+
+def test_a_bounded_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(queue):
+    # It sleeps after 2 ms, not vLLM's second: asleep at vLLM's 5 s recheck, a lost
+    # notify would hold the step (a request's next token) for seconds.
+    writer, reader = queue
+    writer.enqueue("warm-up")
+    assert reader.dequeue() == "warm-up"
+    assert _WorkerLoop(reader).bound_spin(0.002) is True
+    late = _read_after_lost_notify(writer, reader)
+    assert late < 0.5, f"bounded reader took {late:.3f}s past the write (vLLM's recheck is 5 s)"
+
+
+def test_the_engine_reads_a_result_whose_notify_was_lost_within_the_recheck(queue):
+    # The workers write results without step_notify: their notifies can be lost too.
+    writer, reader = queue
+    writer.enqueue("warm-up")
+    assert reader.dequeue() == "warm-up"
+    assert _EngineReading([reader]).build_scheduler(0.002) is True
+    late = _read_after_lost_notify(writer, reader)
+    assert late < 0.5, f"the engine took {late:.3f}s past the result (vLLM's recheck is 5 s)"
+
+
+def test_unpark_after_a_bounded_spin_keeps_the_short_recheck(queue):
+    _, reader = queue
+    loop = _WorkerLoop(reader)
+    parking = loop.register_kv_caches()  # as the worker does: parking first, then the bound
+    assert loop.bound_spin(0.002) is True
+    parking.park()
+    parking.unpark()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == RECHECK_MS
+
+
+def test_a_spin_kept_at_vllms_second_keeps_vllms_recheck(queue):
+    _, reader = queue
+    assert _WorkerLoop(reader).bound_spin(1.0) is True
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == VLLM_RECHECK_MS
 
 
 def test_unpark_puts_vllms_recheck_back(queue):
