@@ -151,25 +151,20 @@ def test_a_parked_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(qu
     assert late < 0.5, f"parked reader took {late:.3f}s past the write (vLLM's recheck is 5 s)"
 
 
-def test_a_bounded_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(queue):
+@pytest.mark.parametrize("side", ["worker", "engine"])
+def test_a_bounded_reader_sees_a_step_whose_notify_was_lost_within_the_recheck(queue, side):
     # It sleeps after 2 ms, not vLLM's second: asleep at vLLM's 5 s recheck, a lost
-    # notify would hold the step (a request's next token) for seconds.
+    # notify would hold a worker's step, or the engine's result (whose writers
+    # step_notify does not reach), for seconds.
     writer, reader = queue
     writer.enqueue("warm-up")
     assert reader.dequeue() == "warm-up"
-    assert _WorkerLoop(reader).bound_spin(0.002) is True
+    if side == "worker":
+        assert _WorkerLoop(reader).bound_spin(0.002) is True
+    else:
+        assert _EngineReading([reader]).build_scheduler(0.002) is True
     late = _read_after_lost_notify(writer, reader)
-    assert late < 0.5, f"bounded reader took {late:.3f}s past the write (vLLM's recheck is 5 s)"
-
-
-def test_the_engine_reads_a_result_whose_notify_was_lost_within_the_recheck(queue):
-    # The workers write results without step_notify: their notifies can be lost too.
-    writer, reader = queue
-    writer.enqueue("warm-up")
-    assert reader.dequeue() == "warm-up"
-    assert _EngineReading([reader]).build_scheduler(0.002) is True
-    late = _read_after_lost_notify(writer, reader)
-    assert late < 0.5, f"the engine took {late:.3f}s past the result (vLLM's recheck is 5 s)"
+    assert late < 0.5, f"{side} took {late:.3f}s past the write (vLLM's recheck is 5 s)"
 
 
 def test_unpark_after_a_bounded_spin_keeps_the_short_recheck(queue):
