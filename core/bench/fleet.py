@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvpush.bench import chat, load, serve_report
+from kvpush.bench import chat, kept, load, serve_report
 from kvpush.bench.cpu import parse_cpus, pin_tree
 from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
@@ -265,7 +265,8 @@ class FleetBench(Bench):
         cell = summarize(config, placement, length, rate, outcomes,
                          self.expected.get(key), seconds, s, {}, {})  # type: ignore[call-overload]  # fmt: skip
         name = f"traces-{deployment.config}-{placement}-{config}-{length}-{rate:g}.json"
-        self._write_traces(name, deployment, outcomes, send_at, wall_start)
+        traces = deployment.traces(s.requests)
+        kept.write_traces(self.out / name, traces, outcomes, send_at, wall_start)
         return FleetCell(**asdict(cell), fleet=deployment.config, prefix_hits=hits1 - hits0,
                          prefix_queries=queries1 - queries0,
                          best_hit_ratio=best_hit_ratio(batch, block),

@@ -32,12 +32,11 @@ and under load.
 Each cell also records the time to the second token (T2T) and every request's TTFT,
 and, on kvpush instances, the spans of where the time went (kvpush.vllm.spans).
 
-Results: JSON lines (results.jsonl, and stdout with --json), each cell's
-per-request traces from kvpush's instances and router (traces-*.json), every
-server's and router's log (logs/), a Markdown table
-(table.md) and plots in --out, per placement: ttft-, tpot- (by rate, or bars for
-one rate), where- (mean TTFT split into its spans, a stacked bar per configuration)
-and ttft-cdf-<placement>.png.
+Results in --out: JSON lines (results.jsonl, and stdout with --json), each cell's
+per-request traces (traces-*.json) and every server's log (logs/; bench/kept.py), a
+Markdown table (table.md) and plots, per placement: ttft-, tpot- (by rate, or bars
+for one rate), where- (mean TTFT split into its spans, a stacked bar per
+configuration) and ttft-cdf-<placement>.png.
 
 One module: each configuration's deployment (plain, kvpush push and
 pull, upstream's two connectors), both placements, and the cells they fill read in
@@ -57,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench import chat, load
+from kvpush.bench import chat, kept, load
 from kvpush.bench.chat import WORKLOADS
 from kvpush.bench.cpu import parse_cpus, pin_tree, tree_cpu_seconds
 from kvpush.bench.report import Report
@@ -398,17 +397,9 @@ class Bench:
                     lines.flush()
         finally:
             lines.close()
-            self._keep_logs(workdir)
+            kept.keep_logs(workdir, self.out)
             shutil.rmtree(workdir, ignore_errors=True)
         return self.report.results
-
-    def _keep_logs(self, workdir: Path) -> None:
-        """Every server's and router's log, into `out`/logs: an outlier in the traces
-        is explained there after the servers are gone."""
-        for log in workdir.rglob("*.log"):
-            kept = self.out / "logs" / log.relative_to(workdir)
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(log, kept)
 
     def _configuration(self, config: str, workdir: Path, model: Path) -> list[Cell]:
         deployment = self._deployment(config, workdir, model)
@@ -522,27 +513,9 @@ class Bench:
         )  # fmt: skip
         cell.spans = deployment.spans()
         name = f"traces-{placement}-{deployment.config}-{length}-{rate:g}.json"
-        self._write_traces(name, deployment, outcomes, send_at, wall_start)
+        traces = deployment.traces(s.requests)
+        kept.write_traces(self.out / name, traces, outcomes, send_at, wall_start)
         return cell
-
-    def _write_traces(
-        self,
-        name: str,
-        deployment: Deployment,
-        outcomes: list[load.Outcome],
-        send_at: list[float],
-        wall_start: float,
-    ) -> None:
-        """The cell's requests as the client saw them, beside the kvpush instances'
-        and the router's traces: a slow request's client send time (`wall_start` +
-        its `at_s`) finds it by the router's `received_unix`."""
-        traces = deployment.traces(len(outcomes))
-        client = [
-            {"at_s": round(at, 4), "ok": o.ok, "ttft_ms": round(o.ttft * 1e3, 3), "error": o.error}
-            for o, at in zip(outcomes, send_at, strict=True)
-        ]
-        traces["client"] = {"started_unix": round(wall_start, 4), "requests": client}
-        (self.out / name).write_text(json.dumps(traces))
 
 
 def markdown(cells: list[Cell]) -> str:

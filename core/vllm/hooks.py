@@ -10,7 +10,7 @@ KVPUSH_VLLM_HOOKS_OFF (comma-separated names) turns risky hooks off on purpose.
 Each process records what attached. A hook that did not is a WARNING naming its
 cost, once; the scheduler logs one INFO line of what did. `/kvpush/state?detail=1`
 shows the scheduler's record and each worker rank's; `kvpush doctor` probes the
-installed vLLM without starting an engine.
+installed vLLM without starting an engine (kvpush.vllm.hook_probe).
 
 One module: every reach past vLLM's contract lives here, where one
 read shows all of them, their versions and their costs.
@@ -44,11 +44,8 @@ the waits kvpush parks through. A decode that answers a request a second, in ste
 tens of milliseconds long, spins a core in each worker between requests, and the
 engine process spins likewise on its workers' result queues during each step. On
 kvpush instances each of those readers spins `reader_spin_s` (2 ms: longer than the
-gap between two steps of a busy engine, so under load they still never sleep).
-A reader that spins less sleeps on its notify socket more often, and the notify can
-be lost as above: on the workers' result queues too, whose writers step_notify does
-not reach. Asleep, it would see the step only at vLLM's 5 s recheck, so reader_spin
-shortens the recheck to RECHECK_MS as parking does.
+gap between two steps of a busy engine, so under load they still never sleep), and
+so sleeps far more often than vLLM's: its recheck is shortened as a parked one's.
 vLLM 0.34 adds a spin of its own in the engine process, up to a second per step
 while it waits for its workers' results (taking in requests meanwhile); engine_spin
 bounds it by the same `reader_spin_s`.
@@ -80,8 +77,8 @@ RECHECK_MS = 10
 # What "verified" means for each release a hook names: read here is its source, read
 # from its wheel by kvpush.vllm.contract; run is the e2e suite on vLLM's CPU build.
 VERIFIED_ON = {"0.32.0": "run", "0.33.0": "read", "0.34.0": "read"}
-_RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
-_ENGINE_SPIN = "_INPUT_SPIN_DURATION_S"
+RECHECK_ATTR = "SHM_READER_RECHECK_INTERVAL_MS"
+ENGINE_SPIN_ATTR = "_INPUT_SPIN_DURATION_S"
 OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
 
 
@@ -213,7 +210,7 @@ HOOKS = {
             "second after every read, between requests too",
             targets={
                 "SpinCondition.busy_loop_s": Target(_SHM, "SpinCondition", ("busy_loop_s",)),
-                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (_RECHECK,)),
+                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (RECHECK_ATTR,)),
                 "MultiprocExecutor.response_mqs": Target(
                     _EXECUTOR, "MultiprocExecutor", ("response_mqs",)
                 ),
@@ -227,7 +224,7 @@ HOOKS = {
             True,
             "the engine process spins up to a second of a core on every step, while "
             "its workers compute",
-            targets={"_INPUT_SPIN_DURATION_S": Target(_CORE, None, (_ENGINE_SPIN,))},
+            targets={"_INPUT_SPIN_DURATION_S": Target(_CORE, None, (ENGINE_SPIN_ATTR,))},
         ),
         Hook(
             "window_margin",
@@ -302,7 +299,7 @@ HOOKS = {
             "decode's waiting workers spin, about a core each, while requests wait for KV",
             targets={
                 "SpinCondition.last_read": Target(_SHM, "SpinCondition", ("last_read",)),
-                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (_RECHECK,)),
+                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (RECHECK_ATTR,)),
                 "WorkerProc.rpc_broadcast_mq": Target(
                     _EXECUTOR, "WorkerProc", ("rpc_broadcast_mq",)
                 ),
@@ -552,7 +549,7 @@ class Parking:
 
     def __init__(self, spin: Any | None, queue_module: ModuleType | None = None) -> None:
         self._spin = spin
-        self._module = queue_module if hasattr(queue_module, _RECHECK) else None
+        self._module = queue_module if hasattr(queue_module, RECHECK_ATTR) else None
         self._resting: int | None = None  # the recheck to put back on unpark, while parked
 
     @classmethod
@@ -568,9 +565,9 @@ class Parking:
             return cls(None)
         spin = _spin_condition(owner)
         module = sys.modules.get(type(spin).__module__)
-        if not hasattr(module, _RECHECK):
+        if not hasattr(module, RECHECK_ATTR):
             # Parking without a short recheck could hang a worker on a lost notify.
-            RECORD.missed("park_workers", f"vLLM's step queue has no {_RECHECK}")
+            RECORD.missed("park_workers", f"vLLM's step queue has no {RECHECK_ATTR}")
             return cls(None)
         RECORD.attached("park_workers")
         return cls(spin, module)
@@ -586,22 +583,20 @@ class Parking:
             return
         self._spin.last_read = float("-inf")
         if self._module is not None and self._resting is None:
-            self._resting = getattr(self._module, _RECHECK)
+            self._resting = getattr(self._module, RECHECK_ATTR)
             _shorten_recheck(self._module)
 
     def unpark(self) -> None:
-        """A step with work came: the recheck interval from before parking applies again
-        (vLLM's, or reader_spin's where that attached)."""
+        """A step with work came: the recheck from before parking applies again."""
         if self._module is not None and self._resting is not None:
-            setattr(self._module, _RECHECK, self._resting)
+            setattr(self._module, RECHECK_ATTR, self._resting)
             self._resting = None
 
 
 def _shorten_recheck(module: ModuleType | None) -> None:
-    """A sleeping reader of `module`'s queues looks for a step at least every
-    RECHECK_MS, whether or not the step's notify reached it."""
-    if module is not None and hasattr(module, _RECHECK):
-        setattr(module, _RECHECK, min(RECHECK_MS, getattr(module, _RECHECK)))
+    """A sleeping reader of `module`'s queues looks every RECHECK_MS, notified or not."""
+    if module is not None and hasattr(module, RECHECK_ATTR):
+        setattr(module, RECHECK_ATTR, min(RECHECK_MS, getattr(module, RECHECK_ATTR)))
 
 
 def _spin_condition(owner: Any) -> Any | None:
@@ -634,9 +629,7 @@ def bound_reader_spin(spin_s: float, executor_side: bool) -> bool:
     shorter = any(spin_s < spin.busy_loop_s for spin in spins)
     for spin in spins:
         spin.busy_loop_s = spin_s
-    if shorter:
-        # A reader that stops spinning sooner sleeps on the notify socket more often,
-        # and a lost notify then costs it vLLM's whole recheck: a step seconds late.
+    if shorter:  # asleep more often: a lost notify must not cost vLLM's 5 s recheck
         _shorten_recheck(sys.modules.get(type(spins[0]).__module__))
     RECORD.attached("reader_spin")
     if not executor_side:
@@ -672,9 +665,9 @@ def bound_engine_spin(spin_s: float) -> bool:
     import importlib
 
     core = importlib.import_module("vllm.v1.engine.core")
-    if not hasattr(core, _ENGINE_SPIN) or not RECORD.allowed("engine_spin"):
+    if not hasattr(core, ENGINE_SPIN_ATTR) or not RECORD.allowed("engine_spin"):
         return False
-    setattr(core, _ENGINE_SPIN, min(spin_s, getattr(core, _ENGINE_SPIN)))
+    setattr(core, ENGINE_SPIN_ATTR, min(spin_s, getattr(core, ENGINE_SPIN_ATTR)))
     RECORD.attached("engine_spin")
     return True
 
@@ -759,9 +752,6 @@ def _writer_spin(executor: Any) -> Any | None:
     return spin if callable(getattr(spin, "notify", None)) else None
 
 
-# -- kvpush doctor -----------------------------------------------------------------------
-
-
 # -- prompt_cut (scheduler process, a producer of a recurrent-state model) ------------
 
 
@@ -769,7 +759,7 @@ def allow_prompt_cut() -> None:
     """A producer of a recurrent-state model has its prefill legs stop one token
     short (kvpush.vllm.groups). ConfigError where it cannot: decode would then
     apply the prompt's last token to a state that holds it already."""
-    problem = _static_problem("prompt_cut") if RECORD.allowed("prompt_cut") else "off"
+    problem = prompt_cut_problem() if RECORD.allowed("prompt_cut") else "off"
     if problem:
         if problem != "off":
             RECORD.missed("prompt_cut", problem)
@@ -788,94 +778,20 @@ def cut_last_prompt_token(request: Any) -> None:
     request.num_prompt_tokens -= 1
 
 
-def probe() -> list[dict[str, Any]]:
-    """Each hook against the installed vLLM, without starting an engine: whether its
-    version was verified, and whether the targets that can be seen statically exist."""
-    version = vllm_version()
-    off = turned_off()  # as an engine started from this shell would read it
-    rows = []
-    for hook in HOOKS.values():
-        problem = _static_problem(hook.name)
-        applies = problem != _NOT_HERE
-        ok = verified(hook, version) or not hook.risky
-        if hook.name in off:
-            problem = f"turned off by {OFF_ENV}"
-        rows.append({
-            "hook": hook.name, "reaches": hook.reaches, "verified": list(hook.verified),
-            "vllm": version, "matched": matched(hook, version), "applies": applies,
-            "turned_off": hook.name in off,
-            "would_attach": applies and ok and not problem,
-            "problem": problem or ("" if ok else f"vLLM {version} not verified"),
-            "cost_when_off": hook.cost,
-        })  # fmt: skip
-    return rows
-
-
-_NOT_HERE = "this vLLM has no such spin"
-
-
-def _static_problem(name: str) -> str:
+def prompt_cut_problem() -> str:
+    """Why this vLLM's Request and Scheduler cannot take a cut prompt, or ""."""
     try:
-        if name == "connector_registry":
-            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-            return "" if hasattr(KVConnectorFactory, "_registry") else "no _registry"
-        if name == "park_workers":
-            from vllm.distributed.device_communicators import shm_broadcast
-
-            if not hasattr(shm_broadcast, _RECHECK):
-                return f"shm_broadcast has no {_RECHECK}"
-            spin = getattr(shm_broadcast, "SpinCondition", None)
-            source = _source(spin)
-            return "" if "last_read" in source and "busy_loop_s" in source else "no SpinCondition"
-        if name == "reader_spin":
-            from vllm.distributed.device_communicators import shm_broadcast
-
-            source = _source(getattr(shm_broadcast, "SpinCondition", None))
-            return "" if "self.busy_loop_s" in source else "no busy_loop_s"
-        if name == "step_notify":
-            from vllm.distributed.device_communicators import shm_broadcast
-
-            source = _source(getattr(shm_broadcast, "SpinCondition", None))
-            return "" if "def notify" in source and "local_notify_socket" in source else "no notify"
-        if name == "window_margin":
-            from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-            if "extra_retained_tokens" not in SlidingWindowSpec.__dataclass_fields__:
-                return "SlidingWindowSpec has no extra_retained_tokens"
-            source = _source(Scheduler.__init__)
-            made, managed = source.find("create_connector("), source.find("KVCacheManager(")
-            return "" if 0 <= made < managed else "the connector is not made before the manager"
-        if name == "landings_before_schedule":
-            from vllm.v1.core.sched.scheduler import Scheduler
-
-            source = _source(Scheduler)
-            wanted = ("finished_recving_kv_req_ids", "def schedule", "WAITING_FOR_REMOTE_KVS")
-            missing = [w for w in wanted if w not in source]
-            return f"Scheduler has no {', '.join(missing)}" if missing else ""
-        if name == "prompt_cut":
-            from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.request import Request
-
-            if "self._all_token_ids" not in _source(Request.__init__):
-                return "Request keeps no _all_token_ids"
-            added = _source(Scheduler.add_request)
-            return "" if "on_new_request(" in added else "add_request calls no on_new_request"
-        if name == "engine_spin":
-            from vllm.v1.engine import core
-
-            return "" if hasattr(core, _ENGINE_SPIN) else _NOT_HERE
-        if name == "engine_inbox":
-            from vllm.v1.engine.core import EngineCoreProc
-
-            return "" if "self.input_queue" in _source(EngineCoreProc) else "no input_queue"
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import Request
     except Exception as exc:  # vLLM missing or reshaped
         return f"{type(exc).__name__}: {exc}"
-    return ""
+    if "self._all_token_ids" not in source_of(Request.__init__):
+        return "Request keeps no _all_token_ids"
+    added = source_of(Scheduler.add_request)
+    return "" if "on_new_request(" in added else "add_request calls no on_new_request"
 
 
-def _source(obj: Any) -> str:
+def source_of(obj: Any) -> str:
     import inspect
 
     try:

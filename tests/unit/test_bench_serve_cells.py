@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpush.bench import load, serve, serve_report
+from kvpush.bench import kept, load, serve, serve_report
 from kvpush.bench.load import Outcome
 
 SETTINGS = serve.Settings(configs=("plain", "push"), slo_ttft_ms=100.0, slo_tpot_ms=10.0)
@@ -142,21 +142,15 @@ def test_prefill_alone_runs_only_when_named():
 
 
 def test_a_cells_traces_hold_each_request_as_the_client_saw_it_beside_the_servers(tmp_path):
-    class Traced:
-        def traces(self, last: int) -> dict:
-            return {"router": [{"transfer_id": f"t{i}"} for i in range(last)]}
-
-    bench = serve.Bench(SETTINGS, tmp_path, None)  # type: ignore[arg-type]
     outcomes = [_ok(0.05, [1]), Outcome(False, error="refused")]
-    bench._write_traces("traces-x.json", Traced(), outcomes, [0.0, 1.25], 1000.0)  # type: ignore[arg-type]
+    servers = {"router": [{"transfer_id": "t0"}, {"transfer_id": "t1"}]}
+    kept.write_traces(tmp_path / "traces-x.json", servers, outcomes, [0.0, 1.25], 1000.0)
     written = json.loads((tmp_path / "traces-x.json").read_text())
     assert written["router"] == [{"transfer_id": "t0"}, {"transfer_id": "t1"}]
     assert written["client"]["started_unix"] == 1000.0
     requests = written["client"]["requests"]
-    assert [(r["at_s"], r["ok"], r["ttft_ms"]) for r in requests] == [
-        (0.0, True, 50.0),
-        (1.25, False, 0.0),
-    ]
+    seen = [(r["at_s"], r["ok"], r["ttft_ms"]) for r in requests]
+    assert seen == [(0.0, True, 50.0), (1.25, False, 0.0)]
     assert requests[1]["error"] == "refused"
 
 
@@ -165,6 +159,6 @@ def test_every_servers_log_is_kept_in_the_output_after_the_run(tmp_path):
     (work / "push" / "prefill").mkdir(parents=True)
     (work / "push" / "prefill" / "server.log").write_text("engine started")
     (work / "push" / "router.log").write_text("routing")
-    serve.Bench(SETTINGS, out, None)._keep_logs(work)  # type: ignore[arg-type]
+    kept.keep_logs(work, out)
     assert (out / "logs" / "push" / "prefill" / "server.log").read_text() == "engine started"
     assert (out / "logs" / "push" / "router.log").read_text() == "routing"

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvpush.errors import ConfigError
-from kvpush.vllm import hooks
+from kvpush.vllm import hook_probe, hooks
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_on_the_installed_vllm_the_idle_wait_attaches_and_is_listed(record, capl
 
 
 def test_doctor_finds_every_target_in_the_installed_vllm():
-    rows = {row["hook"]: row for row in hooks.probe()}
+    rows = {row["hook"]: row for row in hook_probe.probe()}
     assert set(rows) == set(hooks.HOOKS)
     # vLLM 0.32 has no engine spin to bound; every other hook attaches, matching 0.32.0.
     assert [name for name, row in rows.items() if not row["applies"]] == ["engine_spin"]
