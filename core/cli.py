@@ -35,7 +35,7 @@ def _doctor(args: argparse.Namespace) -> int:
     or, given wheels or records, kvpush's contract with each, read from its source."""
     if args.vllm_wheel or args.vllm_record:
         return _contract(args)
-    from kvpush.vllm.hook_probe import probe
+    from kvpush.vllm.hooks import probe
 
     rows = probe()
     if args.json:

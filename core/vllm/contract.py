@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.vllm import hooks
+from kvpush.vllm import hook_spec, hooks
 from kvpush.vllm.source import (
     Source,
     fields,
@@ -166,8 +166,8 @@ def _class_fields(path: str, name: str) -> Callable[[Source], Any]:
     return lambda source: fields(source.tree(path), name)
 
 
-def _target_found(target: hooks.Target) -> Callable[[Source], bool]:
-    """Whether a hook's target (kvpush.vllm.hooks.Target) is in a vLLM's source."""
+def _target_found(target: hook_spec.Target) -> Callable[[Source], bool]:
+    """Whether a hook's target (kvpush.vllm.hook_spec.Target) is in a vLLM's source."""
     if target.kind == "fields":
         return lambda s: set(target.names) <= set(fields(s.tree(target.path), target.owner) or ())
     if target.kind == "near":
@@ -183,7 +183,7 @@ def _written_before_call(text: str, call: str, beside: str) -> bool:
     return at >= 0 and beside in text[max(0, at - 1500) : at]
 
 
-def _made_in_order(source: Source, target: hooks.Target) -> bool:
+def _made_in_order(source: Source, target: hook_spec.Target) -> bool:
     method, first, second = target.names
     cls = find_class(source.tree(target.path), target.owner or "")
     fn = methods(cls).get(method) if cls is not None else None
@@ -192,7 +192,7 @@ def _made_in_order(source: Source, target: hooks.Target) -> bool:
     return 0 <= made < then
 
 
-def _hook_facts(hook: hooks.Hook) -> dict[str, Callable[[Source], bool]]:
+def _hook_facts(hook: hook_spec.Hook) -> dict[str, Callable[[Source], bool]]:
     return {label: _target_found(target) for label, target in hook.targets.items()}
 
 

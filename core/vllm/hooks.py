@@ -10,7 +10,7 @@ KVPUSH_VLLM_HOOKS_OFF (comma-separated names) turns risky hooks off on purpose.
 Each process records what attached. A hook that did not is a WARNING naming its
 cost, once; the scheduler logs one INFO line of what did. `/kvpush/state?detail=1`
 shows the scheduler's record and each worker rank's; `kvpush doctor` probes the
-installed vLLM without starting an engine (kvpush.vllm.hook_probe).
+installed vLLM without starting an engine.
 
 One module: every reach past vLLM's contract lives here, where one
 read shows all of them, their versions and their costs.
@@ -59,12 +59,13 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 from kvpush.errors import ConfigError
-from kvpush.vllm import CONNECTOR_MODULE, CONNECTOR_NAME
+from kvpush.vllm import CONNECTOR_MODULE, CONNECTOR_NAME, hook_spec
+from kvpush.vllm.hook_spec import Hook, Target
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,6 @@ log = logging.getLogger(__name__)
 # parked worker wakes this often to look: 0.5 % of a core at 10 ms here (0.17 % at
 # 50 ms), against the core a spinning one burns.
 RECHECK_MS = 10
-# What "verified" means for each release a hook names: read here is its source, read
-# from its wheel by kvpush.vllm.contract; run is the e2e suite on vLLM's CPU build.
-VERIFIED_ON = {"0.32.0": "run", "0.33.0": "read", "0.34.0": "read"}
 RECHECK_ATTR = "SHM_READER_RECHECK_INTERVAL_MS"
 ENGINE_SPIN_ATTR = "_INPUT_SPIN_DURATION_S"
 OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
@@ -87,33 +85,6 @@ _SHM = "vllm/distributed/device_communicators/shm_broadcast.py"
 _SCHED = "vllm/v1/core/sched/scheduler.py"
 _EXECUTOR = "vllm/v1/executor/multiproc_executor.py"
 _CORE = "vllm/v1/engine/core.py"
-
-
-@dataclass(frozen=True)
-class Target:
-    """One thing a hook reaches for, as kvpush.vllm.contract finds it in a vLLM's
-    source without importing it. By `kind`:
-    "has": each of `names` defined, assigned or used in module `path` (inside its
-        class `owner`, when named);
-    "fields": each of `names` a field of class `owner`;
-    "near": names[1] written in the lines before the call names[0](...) in `path`;
-    "order": in method names[0] of `owner`, names[1] comes before names[2]."""
-
-    path: str
-    owner: str | None
-    names: tuple[str, ...]
-    kind: str = "has"
-
-
-@dataclass(frozen=True)
-class Hook:
-    name: str
-    reaches: str  # the private thing it touches
-    verified: tuple[str, ...]  # vLLM releases it was read or run against (VERIFIED_ON)
-    risky: bool  # it changes vLLM's state: off on a vLLM it was not verified on
-    cost: str  # what a deployment pays where it is absent
-    # What it reaches for, by a label the contract records name (kvpush.vllm.contract).
-    targets: dict[str, Target] = field(default_factory=dict)
 
 
 HOOKS = {
@@ -309,15 +280,6 @@ HOOKS = {
 }
 
 
-def vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(vllm.__version__)
-    except Exception:
-        return "unknown"
-
-
 def turned_off() -> set[str]:
     """The hooks an operator turned off (OFF_ENV, comma-separated): an escape hatch
     where a hook misbehaves on a vLLM, and the A/B of what one is worth."""
@@ -330,22 +292,6 @@ def turned_off() -> set[str]:
             f"{OFF_ENV} names no vLLM hook that can be turned off: {unknown}; those are {risky}"
         )
     return names
-
-
-def matched(hook: Hook, version: str | None = None) -> str | None:
-    """The release among the hook's verified ones that this vLLM is (a local label
-    such as +cpu aside), or None: parsed, so "0.3" and "0.330" match nothing."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        public = Version(Version(version or vllm_version()).public)  # 0.32.0+cpu: 0.32.0
-    except InvalidVersion:
-        return None
-    return next((v for v in hook.verified if Version(v) == public), None)
-
-
-def verified(hook: Hook, version: str | None = None) -> bool:
-    return matched(hook, version) is not None
 
 
 class Record:
@@ -373,15 +319,17 @@ class Record:
         if name in turned_off():
             self.missed(name, f"turned off by {OFF_ENV}")
             return False
-        if hook.risky and not verified(hook):
-            self.missed(name, f"vLLM {vllm_version()} is not among {', '.join(hook.verified)}")
+        if hook.risky and not hook_spec.verified(hook):
+            among = ", ".join(hook.verified)
+            self.missed(name, f"vLLM {hook_spec.vllm_version()} is not among {among}")
             return False
         return True
 
     def log_attached(self, where: str) -> None:
         with self._lock:
             on = sorted(name for name, state in self.states.items() if state == "attached")
-        log.info("kvpush: vLLM %s, %s hooks attached: %s", vllm_version(), where, on or "none")
+        version = hook_spec.vllm_version()
+        log.info("kvpush: vLLM %s, %s hooks attached: %s", version, where, on or "none")
 
     def snapshot(self) -> dict[str, str]:
         with self._lock:
@@ -798,3 +746,87 @@ def source_of(obj: Any) -> str:
         return inspect.getsource(obj) if obj is not None else ""
     except (OSError, TypeError):
         return ""
+
+
+# -- kvpush doctor -----------------------------------------------------------------------
+
+
+def probe() -> list[dict[str, Any]]:
+    """Each hook against the installed vLLM, without starting an engine: whether its
+    version was verified, and whether the targets that can be seen statically exist."""
+    version = hook_spec.vllm_version()
+    off = turned_off()  # as an engine started from this shell would read it
+    rows = []
+    for hook in HOOKS.values():
+        problem = _static_problem(hook.name)
+        applies = problem != _NOT_HERE
+        ok = hook_spec.verified(hook, version) or not hook.risky
+        if hook.name in off:
+            problem = f"turned off by {OFF_ENV}"
+        rows.append({
+            "hook": hook.name, "reaches": hook.reaches, "verified": list(hook.verified),
+            "vllm": version, "matched": hook_spec.matched(hook, version), "applies": applies,
+            "turned_off": hook.name in off,
+            "would_attach": applies and ok and not problem,
+            "problem": problem or ("" if ok else f"vLLM {version} not verified"),
+            "cost_when_off": hook.cost,
+        })  # fmt: skip
+    return rows
+
+
+_NOT_HERE = "this vLLM has no such spin"
+
+
+def _static_problem(name: str) -> str:
+    try:
+        if name == "connector_registry":
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+            return "" if hasattr(KVConnectorFactory, "_registry") else "no _registry"
+        if name == "park_workers":
+            from vllm.distributed.device_communicators import shm_broadcast
+
+            if not hasattr(shm_broadcast, RECHECK_ATTR):
+                return f"shm_broadcast has no {RECHECK_ATTR}"
+            spin = getattr(shm_broadcast, "SpinCondition", None)
+            source = source_of(spin)
+            return "" if "last_read" in source and "busy_loop_s" in source else "no SpinCondition"
+        if name == "reader_spin":
+            from vllm.distributed.device_communicators import shm_broadcast
+
+            source = source_of(getattr(shm_broadcast, "SpinCondition", None))
+            return "" if "self.busy_loop_s" in source else "no busy_loop_s"
+        if name == "step_notify":
+            from vllm.distributed.device_communicators import shm_broadcast
+
+            source = source_of(getattr(shm_broadcast, "SpinCondition", None))
+            return "" if "def notify" in source and "local_notify_socket" in source else "no notify"
+        if name == "window_margin":
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+            if "extra_retained_tokens" not in SlidingWindowSpec.__dataclass_fields__:
+                return "SlidingWindowSpec has no extra_retained_tokens"
+            source = source_of(Scheduler.__init__)
+            made, managed = source.find("create_connector("), source.find("KVCacheManager(")
+            return "" if 0 <= made < managed else "the connector is not made before the manager"
+        if name == "landings_before_schedule":
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            source = source_of(Scheduler)
+            wanted = ("finished_recving_kv_req_ids", "def schedule", "WAITING_FOR_REMOTE_KVS")
+            missing = [w for w in wanted if w not in source]
+            return f"Scheduler has no {', '.join(missing)}" if missing else ""
+        if name == "prompt_cut":
+            return prompt_cut_problem()
+        if name == "engine_spin":
+            from vllm.v1.engine import core
+
+            return "" if hasattr(core, ENGINE_SPIN_ATTR) else _NOT_HERE
+        if name == "engine_inbox":
+            from vllm.v1.engine.core import EngineCoreProc
+
+            return "" if "self.input_queue" in source_of(EngineCoreProc) else "no input_queue"
+    except Exception as exc:  # vLLM missing or reshaped
+        return f"{type(exc).__name__}: {exc}"
+    return ""

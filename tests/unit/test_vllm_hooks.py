@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvpush.errors import ConfigError
-from kvpush.vllm import hook_probe, hooks
+from kvpush.vllm import hook_spec, hooks
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_every_hook_declares_versions_a_target_and_a_cost():
 def test_on_an_unverified_vllm_the_risky_hooks_stay_off_and_say_what_it_costs(
     record, monkeypatch, caplog
 ):
-    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.40.1")
+    monkeypatch.setattr(hook_spec, "vllm_version", lambda: "0.40.1")
     with caplog.at_level(logging.WARNING, logger="kvpush"):
         assert hooks.idle_wait_allowed(0.1) == 0.0
         assert hooks.ring_on_engine_inbox(lambda: None) is False
@@ -60,7 +60,7 @@ def test_on_the_installed_vllm_the_idle_wait_attaches_and_is_listed(record, capl
 
 
 def test_doctor_finds_every_target_in_the_installed_vllm():
-    rows = {row["hook"]: row for row in hook_probe.probe()}
+    rows = {row["hook"]: row for row in hooks.probe()}
     assert set(rows) == set(hooks.HOOKS)
     # vLLM 0.32 has no engine spin to bound; every other hook attaches, matching 0.32.0.
     assert [name for name, row in rows.items() if not row["applies"]] == ["engine_spin"]
@@ -75,7 +75,7 @@ def test_doctor_finds_every_target_in_the_installed_vllm():
      ("0.330", None), ("0.33.0rc1", None), ("0.32.1", None), ("unknown", None)],
 )  # fmt: skip
 def test_the_version_gate_compares_parsed_releases(version, matched):
-    assert hooks.matched(hooks.HOOKS["idle_wait"], version) == matched
+    assert hook_spec.matched(hooks.HOOKS["idle_wait"], version) == matched
 
 
 def test_the_engine_spin_is_bounded_where_vllm_has_it_and_loud_where_unverified(
@@ -84,13 +84,13 @@ def test_the_engine_spin_is_bounded_where_vllm_has_it_and_loud_where_unverified(
     from vllm.v1.engine import core
 
     monkeypatch.setattr(core, "_INPUT_SPIN_DURATION_S", 1.0, raising=False)
-    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(hook_spec, "vllm_version", lambda: "0.34.0")
     assert hooks.bound_engine_spin(0.002) is True
     assert core._INPUT_SPIN_DURATION_S == 0.002
     assert record.snapshot() == {"engine_spin": "attached"}
     monkeypatch.setattr(core, "_INPUT_SPIN_DURATION_S", 1.0)
     monkeypatch.setattr(hooks, "RECORD", hooks.Record())  # another process
-    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.35.0")
+    monkeypatch.setattr(hook_spec, "vllm_version", lambda: "0.35.0")
     with caplog.at_level(logging.WARNING, logger="kvpush"):
         assert hooks.bound_engine_spin(0.002) is False
     assert core._INPUT_SPIN_DURATION_S == 1.0
