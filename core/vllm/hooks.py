@@ -75,8 +75,8 @@ log = logging.getLogger(__name__)
 # parked worker wakes this often to look: 0.5 % of a core at 10 ms here (0.17 % at
 # 50 ms), against the core a spinning one burns.
 RECHECK_MS = 10
-RECHECK_ATTR = "SHM_READER_RECHECK_INTERVAL_MS"
-ENGINE_SPIN_ATTR = "_INPUT_SPIN_DURATION_S"
+_RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
+_ENGINE_SPIN = "_INPUT_SPIN_DURATION_S"
 OFF_ENV = "KVPUSH_VLLM_HOOKS_OFF"
 
 
@@ -181,7 +181,7 @@ HOOKS = {
             "second after every read, between requests too",
             targets={
                 "SpinCondition.busy_loop_s": Target(_SHM, "SpinCondition", ("busy_loop_s",)),
-                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (RECHECK_ATTR,)),
+                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (_RECHECK,)),
                 "MultiprocExecutor.response_mqs": Target(
                     _EXECUTOR, "MultiprocExecutor", ("response_mqs",)
                 ),
@@ -195,7 +195,7 @@ HOOKS = {
             True,
             "the engine process spins up to a second of a core on every step, while "
             "its workers compute",
-            targets={"_INPUT_SPIN_DURATION_S": Target(_CORE, None, (ENGINE_SPIN_ATTR,))},
+            targets={"_INPUT_SPIN_DURATION_S": Target(_CORE, None, (_ENGINE_SPIN,))},
         ),
         Hook(
             "window_margin",
@@ -270,7 +270,7 @@ HOOKS = {
             "decode's waiting workers spin, about a core each, while requests wait for KV",
             targets={
                 "SpinCondition.last_read": Target(_SHM, "SpinCondition", ("last_read",)),
-                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (RECHECK_ATTR,)),
+                "SHM_READER_RECHECK_INTERVAL_MS": Target(_SHM, None, (_RECHECK,)),
                 "WorkerProc.rpc_broadcast_mq": Target(
                     _EXECUTOR, "WorkerProc", ("rpc_broadcast_mq",)
                 ),
@@ -497,7 +497,7 @@ class Parking:
 
     def __init__(self, spin: Any | None, queue_module: ModuleType | None = None) -> None:
         self._spin = spin
-        self._module = queue_module if hasattr(queue_module, RECHECK_ATTR) else None
+        self._module = queue_module if hasattr(queue_module, _RECHECK) else None
         self._resting: int | None = None  # the recheck to put back on unpark, while parked
 
     @classmethod
@@ -513,9 +513,9 @@ class Parking:
             return cls(None)
         spin = _spin_condition(owner)
         module = sys.modules.get(type(spin).__module__)
-        if not hasattr(module, RECHECK_ATTR):
+        if not hasattr(module, _RECHECK):
             # Parking without a short recheck could hang a worker on a lost notify.
-            RECORD.missed("park_workers", f"vLLM's step queue has no {RECHECK_ATTR}")
+            RECORD.missed("park_workers", f"vLLM's step queue has no {_RECHECK}")
             return cls(None)
         RECORD.attached("park_workers")
         return cls(spin, module)
@@ -531,20 +531,20 @@ class Parking:
             return
         self._spin.last_read = float("-inf")
         if self._module is not None and self._resting is None:
-            self._resting = getattr(self._module, RECHECK_ATTR)
+            self._resting = getattr(self._module, _RECHECK)
             _shorten_recheck(self._module)
 
     def unpark(self) -> None:
         """A step with work came: the recheck from before parking applies again."""
         if self._module is not None and self._resting is not None:
-            setattr(self._module, RECHECK_ATTR, self._resting)
+            setattr(self._module, _RECHECK, self._resting)
             self._resting = None
 
 
 def _shorten_recheck(module: ModuleType | None) -> None:
     """A sleeping reader of `module`'s queues looks every RECHECK_MS, notified or not."""
-    if module is not None and hasattr(module, RECHECK_ATTR):
-        setattr(module, RECHECK_ATTR, min(RECHECK_MS, getattr(module, RECHECK_ATTR)))
+    if module is not None and hasattr(module, _RECHECK):
+        setattr(module, _RECHECK, min(RECHECK_MS, getattr(module, _RECHECK)))
 
 
 def _spin_condition(owner: Any) -> Any | None:
@@ -613,9 +613,9 @@ def bound_engine_spin(spin_s: float) -> bool:
     import importlib
 
     core = importlib.import_module("vllm.v1.engine.core")
-    if not hasattr(core, ENGINE_SPIN_ATTR) or not RECORD.allowed("engine_spin"):
+    if not hasattr(core, _ENGINE_SPIN) or not RECORD.allowed("engine_spin"):
         return False
-    setattr(core, ENGINE_SPIN_ATTR, min(spin_s, getattr(core, ENGINE_SPIN_ATTR)))
+    setattr(core, _ENGINE_SPIN, min(spin_s, getattr(core, _ENGINE_SPIN)))
     RECORD.attached("engine_spin")
     return True
 
@@ -707,7 +707,7 @@ def allow_prompt_cut() -> None:
     """A producer of a recurrent-state model has its prefill legs stop one token
     short (kvpush.vllm.groups). ConfigError where it cannot: decode would then
     apply the prompt's last token to a state that holds it already."""
-    problem = prompt_cut_problem() if RECORD.allowed("prompt_cut") else "off"
+    problem = _static_problem("prompt_cut") if RECORD.allowed("prompt_cut") else "off"
     if problem:
         if problem != "off":
             RECORD.missed("prompt_cut", problem)
@@ -726,20 +726,7 @@ def cut_last_prompt_token(request: Any) -> None:
     request.num_prompt_tokens -= 1
 
 
-def prompt_cut_problem() -> str:
-    """Why this vLLM's Request and Scheduler cannot take a cut prompt, or ""."""
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.request import Request
-    except Exception as exc:  # vLLM missing or reshaped
-        return f"{type(exc).__name__}: {exc}"
-    if "self._all_token_ids" not in source_of(Request.__init__):
-        return "Request keeps no _all_token_ids"
-    added = source_of(Scheduler.add_request)
-    return "" if "on_new_request(" in added else "add_request calls no on_new_request"
-
-
-def source_of(obj: Any) -> str:
+def _source(obj: Any) -> str:
     import inspect
 
     try:
@@ -786,20 +773,20 @@ def _static_problem(name: str) -> str:
         if name == "park_workers":
             from vllm.distributed.device_communicators import shm_broadcast
 
-            if not hasattr(shm_broadcast, RECHECK_ATTR):
-                return f"shm_broadcast has no {RECHECK_ATTR}"
+            if not hasattr(shm_broadcast, _RECHECK):
+                return f"shm_broadcast has no {_RECHECK}"
             spin = getattr(shm_broadcast, "SpinCondition", None)
-            source = source_of(spin)
+            source = _source(spin)
             return "" if "last_read" in source and "busy_loop_s" in source else "no SpinCondition"
         if name == "reader_spin":
             from vllm.distributed.device_communicators import shm_broadcast
 
-            source = source_of(getattr(shm_broadcast, "SpinCondition", None))
+            source = _source(getattr(shm_broadcast, "SpinCondition", None))
             return "" if "self.busy_loop_s" in source else "no busy_loop_s"
         if name == "step_notify":
             from vllm.distributed.device_communicators import shm_broadcast
 
-            source = source_of(getattr(shm_broadcast, "SpinCondition", None))
+            source = _source(getattr(shm_broadcast, "SpinCondition", None))
             return "" if "def notify" in source and "local_notify_socket" in source else "no notify"
         if name == "window_margin":
             from vllm.v1.core.sched.scheduler import Scheduler
@@ -807,26 +794,32 @@ def _static_problem(name: str) -> str:
 
             if "extra_retained_tokens" not in SlidingWindowSpec.__dataclass_fields__:
                 return "SlidingWindowSpec has no extra_retained_tokens"
-            source = source_of(Scheduler.__init__)
+            source = _source(Scheduler.__init__)
             made, managed = source.find("create_connector("), source.find("KVCacheManager(")
             return "" if 0 <= made < managed else "the connector is not made before the manager"
         if name == "landings_before_schedule":
             from vllm.v1.core.sched.scheduler import Scheduler
 
-            source = source_of(Scheduler)
+            source = _source(Scheduler)
             wanted = ("finished_recving_kv_req_ids", "def schedule", "WAITING_FOR_REMOTE_KVS")
             missing = [w for w in wanted if w not in source]
             return f"Scheduler has no {', '.join(missing)}" if missing else ""
         if name == "prompt_cut":
-            return prompt_cut_problem()
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.request import Request
+
+            if "self._all_token_ids" not in _source(Request.__init__):
+                return "Request keeps no _all_token_ids"
+            added = _source(Scheduler.add_request)
+            return "" if "on_new_request(" in added else "add_request calls no on_new_request"
         if name == "engine_spin":
             from vllm.v1.engine import core
 
-            return "" if hasattr(core, ENGINE_SPIN_ATTR) else _NOT_HERE
+            return "" if hasattr(core, _ENGINE_SPIN) else _NOT_HERE
         if name == "engine_inbox":
             from vllm.v1.engine.core import EngineCoreProc
 
-            return "" if "self.input_queue" in source_of(EngineCoreProc) else "no input_queue"
+            return "" if "self.input_queue" in _source(EngineCoreProc) else "no input_queue"
     except Exception as exc:  # vLLM missing or reshaped
         return f"{type(exc).__name__}: {exc}"
     return ""
