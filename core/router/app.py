@@ -241,7 +241,7 @@ class Router:
                 instance.outstanding += 1
             computing = Computing(route.computer, route.computing)
             request[TRACE].at("prefill_answered" if route.prefill else "first_byte",
-                              computing.done)  # fmt: skip
+                              computing.answered)  # fmt: skip
             try:
                 if route.prefill is None:  # the client's request, as a plain instance gets it
                     request[TRACE].mark("decode_sent")

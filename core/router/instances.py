@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from kvpush.errors import ConfigError
 from kvpush.identities import InstanceIdentity
 from kvpush.layout import block_size_problem, tp_problem
+from kvpush.router.pace import Pace
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Instance:
     # Prompt tokens its requests in flight compute before their first token (placement
     # weighs them: a prompt sent here waits for them); the router's estimate.
     computing: int = 0
+    pace: Pace = field(default_factory=Pace, repr=False)  # how fast it computes them
     # Its kvpush identity by data-parallel rank (each DP rank is an engine of its own).
     ranks: dict[int, InstanceIdentity] = field(default_factory=dict, repr=False)
     ejected_until: float = 0.0  # monotonic time; picked again only after it

@@ -11,8 +11,10 @@ A pair's cost is counted in prompt tokens:
   counts active prefill blocks), weighed `compute`, since a new prompt waits for
   them;
 - the queue on each: its requests in flight, each as `queue_tokens` tokens.
-A request on decode alone costs the tokens decode must compute, the compute queued
-there and decode's queue. The lowest cost wins; ties go round robin. A session's
+What an instance computes and queues is weighed by its pace (pace.py): 2 where it
+has been computing tokens twice as slowly as the fleet's mean. A request on decode
+alone costs the tokens decode must compute, the compute queued there and decode's
+queue, at decode's pace. The lowest cost wins; ties go round robin. A session's
 next turn shares its prefix, so the instance that holds it wins unless what waits
 there outweighs the prefix: one long prompt being computed does, as a count of
 requests would not say. vLLM's router takes the least loaded instance when loads
@@ -48,20 +50,25 @@ class Candidate:
     cached: int  # prompt tokens it holds
     queue: int  # requests in flight there
     computing: int = 0  # prompt tokens its requests in flight compute before a first token
+    pace: float = 1.0  # its seconds per prompt token over the fleet's mean (pace.py)
 
 
 def alone_cost(w: Weights, prompt: int, decode: Candidate) -> float:
-    computed = max(prompt - decode.cached, 0) + decode.computing
-    return w.compute * computed + w.queue_tokens * decode.queue
+    return decode.pace * _own(w, max(prompt - decode.cached, 0), decode)
 
 
 def pair_cost(w: Weights, prompt: int, prefill: Candidate, decode: Candidate) -> float:
     # Decode's own queued compute counts too: its next step, the one that takes the
     # KV and samples, runs with the prompts it is computing.
-    computed = max(prompt - prefill.cached, 0) + prefill.computing + decode.computing
-    loaded = max(prompt - decode.cached, 0)
-    queues = prefill.queue + decode.queue
-    return w.compute * computed + w.transfer * loaded + w.queue_tokens * queues
+    on_prefill = prefill.pace * _own(w, max(prompt - prefill.cached, 0), prefill)
+    on_decode = decode.pace * _own(w, 0, decode)
+    return on_prefill + on_decode + w.transfer * max(prompt - decode.cached, 0)
+
+
+def _own(w: Weights, computed: int, instance: Candidate) -> float:
+    """An instance's share of a cost at the fleet's mean pace: what it computes of
+    the prompt, what it computes already, and its queue."""
+    return w.compute * (computed + instance.computing) + w.queue_tokens * instance.queue
 
 
 def cheapest(costs: list[tuple[float, object]], turn: int) -> object:

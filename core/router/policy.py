@@ -22,6 +22,7 @@ class RoutingPolicy:
     weights: Weights = field(default_factory=Weights)
     # The roles whose instances serve a request that is not disaggregated, whole.
     aggregate_on: tuple[str, ...] = ("decode",)
+    pace: bool = True  # prefix placement weighs each instance's tokens by its pace
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -65,6 +66,11 @@ def add_options(parser: Any) -> None:
         "the queues (KV events where an instance names kv_events=, else the router's index)",
     )  # fmt: skip
     parser.add_argument(
+        "--no-pace", dest="pace", action="store_false",
+        help="prefix placement: count every instance's prompt tokens alike, not weighed "
+        "by how fast each has been computing them",
+    )  # fmt: skip
+    parser.add_argument(
         "--aggregate-on", type=roles, default="decode", metavar="ROLES",
         help="the instances a request not disaggregated runs on: decode, or "
         "prefill,decode (prefill instances serve whole requests too, scored alike)",
@@ -88,4 +94,4 @@ def policy_of(args: Any) -> RoutingPolicy:
     rule = DecisionRule(args.disaggregate, args.min_uncached_tokens, args.alone_when_idle,
                         args.prefill_queue_gap)  # fmt: skip
     return RoutingPolicy(rule, args.placement, Weights(queue_tokens=args.queue_tokens),
-                         args.aggregate_on)  # fmt: skip
+                         args.aggregate_on, args.pace)  # fmt: skip

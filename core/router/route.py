@@ -16,6 +16,7 @@ there.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import aiohttp
 from kvpush.metrics import Metrics
 from kvpush.router.decide import Decision, decide
 from kvpush.router.instances import Instance, Pool, Pools
+from kvpush.router.pace import factors
 from kvpush.router.placement import Candidate, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy
 from kvpush.router.prefix import PrefixIndex
@@ -65,17 +67,27 @@ class Route:
 class Computing:
     """A request's prompt tokens counted on the instance that computes them, from
     dispatch until `done()`: once that instance's part of the first token is out
-    (prefill's answer; a whole request's first byte), or the attempt ended."""
+    (prefill's answer; a whole request's first byte: `answered()`, which also
+    charges the instance's pace), or the attempt ended."""
 
     instance: Instance
     tokens: int
 
     def __post_init__(self) -> None:
+        if self.tokens:
+            self.instance.pace.busy(time.monotonic())
         self.instance.computing += self.tokens
+
+    def answered(self) -> None:
+        if self.tokens:
+            self.instance.pace.answered(self.tokens, time.monotonic())
+        self.done()
 
     def done(self) -> None:
         self.instance.computing -= self.tokens
         self.tokens = 0
+        if not self.instance.computing:
+            self.instance.pace.idle()
 
 
 class Planner:
@@ -206,8 +218,16 @@ class Planner:
     def _scored(
         self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]]
     ) -> list[Candidate]:
-        return [Candidate(i, self._cached(i, tokens, chains), i.outstanding, i.computing)
-                for i in instances]  # fmt: skip
+        paces = self._paces()
+        return [Candidate(i, self._cached(i, tokens, chains), i.outstanding, i.computing,
+                          paces.get(i.url, 1.0)) for i in instances]  # fmt: skip
+
+    def _paces(self) -> dict[str, float]:
+        """Each instance's pace over the whole fleet's (pace.py); none with --no-pace."""
+        if not self.policy.pace:
+            return {}
+        fleet = self.prefill.instances + self.decode.instances
+        return dict(zip((i.url for i in fleet), factors(i.pace for i in fleet), strict=True))
 
 
 def _block_size(instance: Instance) -> int:

@@ -16,6 +16,7 @@ from kvpush.metrics import Metrics
 from kvpush.router.decide import DecisionRule, decide
 from kvpush.router.instances import Instance, Pool
 from kvpush.router.kv_events import Subscription, apply
+from kvpush.router.pace import BOUND, KEEP, Pace, factors
 from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy, add_options, policy_of, roles
 from kvpush.router.prefix import Blocks, PrefixIndex, chain
@@ -378,3 +379,59 @@ def test_a_milestone_runs_what_waits_on_it_at_its_next_mark_only():
     trace.mark("first_byte")
     trace.mark("first_byte")
     assert ran == [1]
+
+
+def test_a_pace_is_the_busy_time_over_the_tokens_and_drops_a_failed_attempts_time():
+    pace = Pace()
+    pace.busy(10.0)
+    pace.busy(10.5)  # a second request while busy: the clock already runs
+    pace.answered(3000, 11.0)
+    assert pace.seconds_per_token is None  # under LEARNT tokens: not used yet
+    pace.answered(3000, 12.0)
+    assert pace.seconds_per_token == pytest.approx((1.0 * KEEP + 1.0) / (3000 * KEEP + 3000))
+    pace.idle()
+    pace.busy(20.0)  # idle in between: not charged
+    pace.idle()  # an attempt that failed: its 5 s are charged to nothing
+    pace.busy(25.0)
+    before = pace.seconds
+    pace.answered(100, 25.1)
+    assert pace.seconds == pytest.approx(before * KEEP + 0.1)
+
+
+def test_paces_weigh_each_instance_against_the_mean_within_the_bound():
+    fast, also, slow, new, stuck = Pace(), Pace(), Pace(), Pace(), Pace()
+    for pace, seconds in ((fast, 1.0), (also, 1.0), (slow, 3.0), (stuck, 100.0)):
+        pace.busy(0.0)
+        pace.answered(10_000, seconds)
+    assert factors([fast, new]) == [1.0, 1.0]  # one learnt alone is the mean
+    assert factors([fast, slow, new]) == pytest.approx([0.5, 1.5, 1.0])
+    assert factors([fast, also, stuck]) == [1 / BOUND, 1 / BOUND, BOUND]
+    assert factors([new, Pace()]) == [1.0, 1.0]
+
+
+def test_a_whole_request_goes_to_the_instance_that_computes_faster():
+    """Two idle decodes hold nothing: the one that has been computing its prompts
+    twice as fast wins, with the tokens queued on it that would tie at one pace."""
+    w = Weights()
+    slow, fast = Candidate("slow", 0, 0, pace=1.5), Candidate("fast", 0, 0, 500, pace=0.75)
+    assert place_alone(w, 1000, [slow, fast], turn=0) == "fast"
+    assert (
+        place_alone(w, 1000, [Candidate("slow", 0, 0), Candidate("fast", 0, 0, 500)], 0) == "slow"
+    )
+    p = Candidate("p", 0, 0, computing=400, pace=0.5)
+    assert pair_cost(w, 1000, p, fast) == 0.5 * 1400 + 0.75 * 500 + 0.25 * 1000
+
+
+def test_the_planner_learns_each_instances_pace_from_its_first_tokens():
+    for pace, expected in ((True, "http://d:2"), (False, None)):
+        planner, _ = _fleet(("decode",), rule=DecisionRule("never"))
+        planner.policy = RoutingPolicy(DecisionRule("never"), "prefix", pace=pace)
+        d1, d2 = planner.decode.instances
+        for instance, seconds in ((d1, 0.08), (d2, 0.02)):
+            for _ in range(3):
+                computing = Computing(instance, 2000)
+                time.sleep(seconds)
+                computing.answered()
+        assert d1.pace.seconds_per_token > 2 * d2.pace.seconds_per_token
+        picked = {_whole_where(planner, [i] * 300).url for i in range(4)}
+        assert picked == ({expected} if expected else {d1.url, d2.url})
