@@ -30,6 +30,7 @@ answers are the oracle the others' must match token for token.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import time
@@ -174,6 +175,15 @@ class FleetDeployment(Deployment):
         self.target = load.Target(url)
         return self.target
 
+    def instances(self) -> list[dict[str, object]]:
+        """The router's view of its instances at the cell's end (GET /instances): what it
+        counted on each, and the pace it learnt."""
+        try:
+            with urllib.request.urlopen(self.target.url + "/instances", timeout=5) as answer:
+                return json.loads(answer.read())
+        except (OSError, ValueError):
+            return []
+
     def pin(self) -> None:
         s = self.settings
         for name, pid in self.pids().items():
@@ -265,7 +275,7 @@ class FleetBench(Bench):
         cell = summarize(config, placement, length, rate, outcomes,
                          self.expected.get(key), seconds, s, {}, {})  # type: ignore[call-overload]  # fmt: skip
         name = f"traces-{deployment.config}-{placement}-{config}-{length}-{rate:g}.json"
-        traces = deployment.traces(s.requests)
+        traces = {**deployment.traces(s.requests), "instances": deployment.instances()}
         kept.write_traces(self.out / name, traces, outcomes, send_at, wall_start)
         return FleetCell(**asdict(cell), fleet=deployment.config, prefix_hits=hits1 - hits0,
                          prefix_queries=queries1 - queries0,

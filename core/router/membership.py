@@ -184,7 +184,7 @@ class Membership:
         return web.json_response([
             {"url": i.url, "role": i.role, "outstanding": i.outstanding,
              "computing_tokens": i.computing, "up": i.up,
-             "seconds_per_token": i.pace.seconds_per_token,
+             "seconds_per_token": i.pace.seconds_per_token(time.monotonic()),
              "state": "draining" if i.draining else "open", "kv_events": i.kv_events}
             for i in self.everyone()
         ])  # fmt: skip

@@ -13,13 +13,14 @@ until none remains. Each time one of its requests reaches its first token (a
 whole request's first byte; a prefill leg's answer), the busy time since the last
 such moment is charged to it with that request's tokens. Older charges fade by
 `KEEP` at each new one, so the pace follows a change of load within a few dozen
-requests. Time spent on an attempt that failed is charged to nothing.
+requests, and by half every `HALF_LIFE_S` seconds, so the pace of an instance the
+router stopped sending to is forgotten within a minute or so and it is tried again.
+Time spent on an attempt that failed is charged to nothing.
 
 Placement weighs an instance's tokens by its `factor`: its seconds per token over
 the fleet's mean. A factor is 1 until the instance has been charged `LEARNT`
-tokens, and it stays within [1/`BOUND`, `BOUND`], so one slow sample cannot take
-an instance out of use and a wrong pace cannot starve it for long: an instance that
-gets fewer requests is charged less, and its past fades only as it is charged.
+tokens (after fading), and it stays within [1/`BOUND`, `BOUND`], so a few slow
+requests cannot take an instance out of use.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 KEEP = 0.9  # the weight an older charge keeps at each new one
 LEARNT = 4096  # prompt tokens charged (after fading) before a pace is used
 BOUND = 2.0  # the most an instance's factor moves from 1, either way
+HALF_LIFE_S = 20.0  # how fast charges fade with age
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Pace:
     tokens: float = 0.0  # prompt tokens charged, older ones faded
     seconds: float = 0.0  # busy seconds charged, faded alike
     _since: float | None = None  # monotonic time busy time is counted from; None: idle
+    _at: float = 0.0  # monotonic time of the last charge
 
     def busy(self, now: float) -> None:
         """A request with prompt tokens to compute was sent to the instance."""
@@ -47,27 +50,31 @@ class Pace:
         """One of its requests reached its first token, having had it compute `tokens`."""
         if self._since is None:
             return
-        self.tokens = self.tokens * KEEP + tokens
-        self.seconds = self.seconds * KEEP + (now - self._since)
-        self._since = now
+        keep = KEEP * self._faded(now)
+        self.tokens = self.tokens * keep + tokens
+        self.seconds = self.seconds * keep + (now - self._since)
+        self._since = self._at = now
 
     def idle(self) -> None:
         """Nothing is left for it to compute: busy time stops counting, and what was
         counted since its last answer (an attempt that failed) is dropped."""
         self._since = None
 
-    @property
-    def seconds_per_token(self) -> float | None:
-        if self.tokens < LEARNT or self.seconds <= 0:
+    def seconds_per_token(self, now: float) -> float | None:
+        """None until learnt, or once what was learnt has faded."""
+        if self.tokens * self._faded(now) < LEARNT or self.seconds <= 0:
             return None
         return self.seconds / self.tokens
 
+    def _faded(self, now: float) -> float:
+        return 0.5 ** ((now - self._at) / HALF_LIFE_S)
 
-def factors(paces: Iterable[Pace]) -> list[float]:
+
+def factors(paces: Iterable[Pace], now: float) -> list[float]:
     """Each pace's weight on its tokens: its seconds per token over the mean of those
     learnt, within the bound; 1 where not learnt, or where none is."""
     paces = list(paces)
-    learnt = [p.seconds_per_token for p in paces]
+    learnt = [p.seconds_per_token(now) for p in paces]
     known = [s for s in learnt if s is not None]
     if not known:
         return [1.0] * len(paces)

@@ -227,7 +227,8 @@ class Planner:
         if not self.policy.pace:
             return {}
         fleet = self.prefill.instances + self.decode.instances
-        return dict(zip((i.url for i in fleet), factors(i.pace for i in fleet), strict=True))
+        paced = factors((i.pace for i in fleet), time.monotonic())
+        return dict(zip((i.url for i in fleet), paced, strict=True))
 
 
 def _block_size(instance: Instance) -> int:

@@ -16,7 +16,7 @@ from kvpush.metrics import Metrics
 from kvpush.router.decide import DecisionRule, decide
 from kvpush.router.instances import Instance, Pool
 from kvpush.router.kv_events import Subscription, apply
-from kvpush.router.pace import BOUND, KEEP, Pace, factors
+from kvpush.router.pace import BOUND, HALF_LIFE_S, KEEP, Pace, factors
 from kvpush.router.placement import Candidate, Weights, pair_cost, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy, add_options, policy_of, roles
 from kvpush.router.prefix import Blocks, PrefixIndex, chain
@@ -386,27 +386,39 @@ def test_a_pace_is_the_busy_time_over_the_tokens_and_drops_a_failed_attempts_tim
     pace.busy(10.0)
     pace.busy(10.5)  # a second request while busy: the clock already runs
     pace.answered(3000, 11.0)
-    assert pace.seconds_per_token is None  # under LEARNT tokens: not used yet
+    assert pace.seconds_per_token(11.0) is None  # under LEARNT tokens: not used yet
     pace.answered(3000, 12.0)
-    assert pace.seconds_per_token == pytest.approx((1.0 * KEEP + 1.0) / (3000 * KEEP + 3000))
+    keep = KEEP * 0.5 ** (1 / HALF_LIFE_S)
+    assert pace.seconds_per_token(12.0) == pytest.approx((keep + 1) / (3000 * keep + 3000))
     pace.idle()
     pace.busy(20.0)  # idle in between: not charged
     pace.idle()  # an attempt that failed: its 5 s are charged to nothing
     pace.busy(25.0)
     before = pace.seconds
     pace.answered(100, 25.1)
-    assert pace.seconds == pytest.approx(before * KEEP + 0.1)
+    assert pace.seconds == pytest.approx(before * KEEP * 0.5 ** (13.1 / HALF_LIFE_S) + 0.1)
+
+
+def test_a_pace_not_charged_for_a_while_is_forgotten():
+    """An instance the router stopped sending to is tried again: what it learnt
+    fades with age until it counts as not learnt."""
+    pace = Pace()
+    pace.busy(0.0)
+    pace.answered(20_000, 10.0)
+    assert pace.seconds_per_token(10.0) == pytest.approx(10 / 20_000)
+    assert pace.seconds_per_token(10.0 + 2 * HALF_LIFE_S) is not None  # 5,000 tokens left
+    assert pace.seconds_per_token(10.0 + 3 * HALF_LIFE_S) is None  # 2,500
 
 
 def test_paces_weigh_each_instance_against_the_mean_within_the_bound():
     fast, also, slow, new, stuck = Pace(), Pace(), Pace(), Pace(), Pace()
     for pace, seconds in ((fast, 1.0), (also, 1.0), (slow, 3.0), (stuck, 100.0)):
-        pace.busy(0.0)
-        pace.answered(10_000, seconds)
-    assert factors([fast, new]) == [1.0, 1.0]  # one learnt alone is the mean
-    assert factors([fast, slow, new]) == pytest.approx([0.5, 1.5, 1.0])
-    assert factors([fast, also, stuck]) == [1 / BOUND, 1 / BOUND, BOUND]
-    assert factors([new, Pace()]) == [1.0, 1.0]
+        pace.busy(100.0 - seconds)
+        pace.answered(10_000, 100.0)
+    assert factors([fast, new], 100.0) == [1.0, 1.0]  # one learnt alone is the mean
+    assert factors([fast, slow, new], 100.0) == pytest.approx([0.5, 1.5, 1.0])
+    assert factors([fast, also, stuck], 100.0) == [1 / BOUND, 1 / BOUND, BOUND]
+    assert factors([new, Pace()], 100.0) == [1.0, 1.0]
 
 
 def test_a_whole_request_goes_to_the_instance_that_computes_faster():
@@ -432,6 +444,7 @@ def test_the_planner_learns_each_instances_pace_from_its_first_tokens():
                 computing = Computing(instance, 2000)
                 time.sleep(seconds)
                 computing.answered()
-        assert d1.pace.seconds_per_token > 2 * d2.pace.seconds_per_token
+        now = time.monotonic()
+        assert d1.pace.seconds_per_token(now) > 2 * d2.pace.seconds_per_token(now)
         picked = {_whole_where(planner, [i] * 300).url for i in range(4)}
         assert picked == ({expected} if expected else {d1.url, d2.url})

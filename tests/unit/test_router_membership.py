@@ -188,3 +188,29 @@ def test_with_aggregate_on_prefill_a_prefill_instance_serves_whole_requests_and_
         await _close(runner, [prefill, decode])
 
     run(scenario())
+
+
+@pytest.mark.parametrize("pace", [True, False])
+def test_whole_requests_go_to_the_decode_that_answers_faster_once_its_pace_is_learnt(pace):
+    """Two decodes alike in all the router counts, but one takes 6x as long to its
+    first byte: with pace, once each has been charged enough tokens, every request
+    goes to the fast one; without, they alternate."""
+
+    async def scenario():
+        slow, fast = Fake(sleeping(0.12)), Fake(sleeping(0.02))
+        policy = RoutingPolicy(DecisionRule("never"), placement="prefix", pace=pace)
+        _router, runner, url = await _serve([Fake(prefill_ok)], [slow, fast], policy=policy)
+        async with aiohttp.ClientSession() as http:
+            for i in range(16):  # 1,500 tokens each, none sharing a block with another
+                assert await _post(http, url, [i] * 1500) == 200
+            async with http.get(url + "/instances") as r:
+                listed = {i["url"]: i["seconds_per_token"] for i in await r.json()}
+        await _close(runner, [slow, fast])
+        return len(slow.bodies), len(fast.bodies), listed[slow.url], listed[fast.url]
+
+    on_slow, on_fast, slow_pace, fast_pace = run(scenario())
+    assert slow_pace > 3 * fast_pace > 0  # learnt with or without --no-pace
+    if pace:  # 4 each to learn both (4,096 tokens), then the fast one only
+        assert on_slow <= 5 and on_fast >= 11
+    else:
+        assert (on_slow, on_fast) == (8, 8)
