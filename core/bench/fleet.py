@@ -168,8 +168,11 @@ class FleetDeployment(Deployment):
 
     def route(self, config: str) -> load.Target:
         """(Re)start the router as `config` routes; its target."""
+        # rr-aggregated lists every instance as a decode one; decide reaches prefill
+        # instances for whole requests through --aggregate-on instead.
+        decodes = self.deciders(config) if config == "rr-aggregated" else self.names("decode")
         url = self.cluster.start_router(
-            self.names("prefill"), self.deciders(config), mode="push",
+            self.names("prefill"), decodes, mode="push",
             flags=ROUTER_FLAGS[config] + self.settings.router_args,
         )  # fmt: skip
         self.target = load.Target(url)

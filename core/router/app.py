@@ -41,7 +41,7 @@ from kvpush.metrics import Metrics
 from kvpush.router import event_loop, first_token
 from kvpush.router.first_token_relay import FirstTokenRelay
 from kvpush.router.health import HealthWatch
-from kvpush.router.instances import Instance, Pool, pairing_problem
+from kvpush.router.instances import Instance, Pool, check_listing, pairing_problem
 from kvpush.router.legs import (
     decode_leg,
     new_transfer_id,
@@ -100,6 +100,9 @@ class RouterConfig:
     # Whether each request is disaggregated, and where it runs (route.py).
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     instances_file: str | None = None  # read again each health interval (membership.py)
+
+    def __post_init__(self) -> None:
+        check_listing(self.prefill, self.decode, self.policy.aggregate_on)
 
 
 class Router:

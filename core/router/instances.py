@@ -208,6 +208,25 @@ class NoInstance(ConfigError):
     """No instance of a role may take requests now."""
 
 
+def check_listing(
+    prefill: list[Instance], decode: list[Instance], aggregate_on: tuple[str, ...]
+) -> None:
+    """ConfigError where a server is listed twice: it would be two records, each
+    counting half its load. Twice under one role is a slip; under both roles it is
+    one only where prefill instances serve whole requests too (`aggregate_on`)."""
+    for role, listed in (("prefill", prefill), ("decode", decode)):
+        urls = [i.url for i in listed]
+        if twice := sorted({u for u in urls if urls.count(u) > 1}):
+            raise ConfigError(f"{', '.join(twice)} listed twice as a {role} instance")
+    both = sorted({i.url for i in prefill} & {i.url for i in decode})
+    if both and "prefill" in aggregate_on:
+        raise ConfigError(
+            f"{', '.join(both)} listed as both a prefill and a decode instance: with "
+            "--aggregate-on prefill,decode a prefill instance serves whole requests "
+            "already; list it once"
+        )
+
+
 def pairing_problem(prefill: InstanceIdentity, decode: InstanceIdentity) -> str | None:
     """Why a prefill and a decode instance (their identities) cannot exchange KV, or
     None: the rules the two workers' handshake would apply, checked before a request

@@ -251,6 +251,30 @@ def test_a_port_out_of_range_is_a_usage_error_of_the_command(capsys, monkeypatch
     assert "'bootstrap=99999' in 'http://127.0.0.1:8100,bootstrap=99999'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("listed", "said"),
+    [
+        (["--decode", "http://127.0.0.1:8200", "--decode", "http://127.0.0.1:8200/"],
+         "http://127.0.0.1:8200 listed twice as a decode instance"),
+        (["--decode", "http://127.0.0.1:8100", "--aggregate-on", "prefill,decode"],
+         "http://127.0.0.1:8100 listed as both a prefill and a decode instance"),
+    ],
+)  # fmt: skip
+def test_a_server_listed_twice_is_refused_as_it_would_count_half_its_load(
+    listed, said, capsys, monkeypatch
+):
+    import kvpush.router.app as app
+    from kvpush.cli import main
+
+    served = []
+    monkeypatch.setattr(app, "run", lambda *args: served.append(args))
+    assert main(["router", "--prefill", "http://127.0.0.1:8100", *listed]) == 2 and not served
+    assert said in capsys.readouterr().err
+    # Both roles without --aggregate-on: a kv_both server may take either leg.
+    both = ["router", "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8100"]
+    assert main(both) == 0 and served
+
+
 @pytest.mark.parametrize("option", ["identity", "bootstrap"])
 def test_identity_and_its_alias_bootstrap_name_the_identity_port(option):
     instance = Instance.parse(f"http://10.0.0.5:8100,{option}=7900", "prefill")
