@@ -22,7 +22,7 @@ class RoutingPolicy:
     weights: Weights = field(default_factory=Weights)
     # The roles whose instances serve a request that is not disaggregated, whole.
     aggregate_on: tuple[str, ...] = ("decode",)
-    pace: bool = True  # prefix placement weighs each instance's tokens by its pace
+    pace: bool = False  # prefix placement weighs each instance's tokens by its pace
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -66,9 +66,9 @@ def add_options(parser: Any) -> None:
         "the queues (KV events where an instance names kv_events=, else the router's index)",
     )  # fmt: skip
     parser.add_argument(
-        "--no-pace", dest="pace", action="store_false",
-        help="prefix placement: count every instance's prompt tokens alike, not weighed "
-        "by how fast each has been computing them",
+        "--pace", action="store_true",
+        help="prefix placement: weigh each instance's prompt tokens by how fast it has "
+        "been computing them, for fleets whose instances differ in speed (docs/router.md)",
     )  # fmt: skip
     parser.add_argument(
         "--aggregate-on", type=roles, default="decode", metavar="ROLES",

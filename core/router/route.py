@@ -223,7 +223,7 @@ class Planner:
                           paces.get(i.url, 1.0)) for i in instances]  # fmt: skip
 
     def _paces(self) -> dict[str, float]:
-        """Each instance's pace over the whole fleet's (pace.py); none with --no-pace."""
+        """Each instance's pace over the whole fleet's (pace.py); none without --pace."""
         if not self.policy.pace:
             return {}
         fleet = self.prefill.instances + self.decode.instances

@@ -448,3 +448,10 @@ def test_the_planner_learns_each_instances_pace_from_its_first_tokens():
         assert d1.pace.seconds_per_token(now) > 2 * d2.pace.seconds_per_token(now)
         picked = {_whole_where(planner, [i] * 300).url for i in range(4)}
         assert picked == ({expected} if expected else {d1.url, d2.url})
+
+
+def test_pace_is_weighed_only_when_asked():
+    parser = argparse.ArgumentParser()
+    add_options(parser)
+    assert not policy_of(parser.parse_args([])).pace
+    assert policy_of(parser.parse_args(["--pace"])).pace

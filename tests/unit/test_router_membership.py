@@ -209,7 +209,7 @@ def test_whole_requests_go_to_the_decode_that_answers_faster_once_its_pace_is_le
         return len(slow.bodies), len(fast.bodies), listed[slow.url], listed[fast.url]
 
     on_slow, on_fast, slow_pace, fast_pace = run(scenario())
-    assert slow_pace > 3 * fast_pace > 0  # learnt with or without --no-pace
+    assert slow_pace > 3 * fast_pace > 0  # learnt with --pace or without
     if pace:  # 4 each to learn both (4,096 tokens), then the fast one only
         assert on_slow <= 5 and on_fast >= 11
     else:
