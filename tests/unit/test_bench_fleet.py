@@ -156,3 +156,12 @@ def test_a_fleet_deployment_makes_its_instances_and_lists_who_runs_decodes(tmp_p
     # decide runs whole requests on prefill instances too: their caches count.
     assert deployment.deciders("rr-aggregated") == deployment.deciders("decide") == list(servers)
     assert deployment.deciders("disagg-all") == ["decode0", "decode1"]
+    # ...but the router lists each server once: decide reaches prefill instances for
+    # whole requests through --aggregate-on, and a server listed twice is refused.
+    routed = []
+    deployment.cluster.start_router = lambda p, d, **kw: routed.append((p, d)) or "http://r"
+    for config in fleet.CONFIGS:
+        deployment.route(config)
+    prefills, decodes = ["prefill0", "prefill1"], ["decode0", "decode1"]
+    assert fleet.CONFIGS == ("rr-aggregated", "disagg-all", "decide")
+    assert routed == [(prefills, list(servers)), (prefills, decodes), (prefills, decodes)]
