@@ -11,15 +11,15 @@ A pair's cost is counted in prompt tokens:
   counts active prefill blocks), weighed `compute`, since a new prompt waits for
   them;
 - the queue on each: its requests in flight, each as `queue_tokens` tokens.
-What an instance computes and queues is weighed by its pace (pace.py): 2 where it
-has been computing tokens twice as slowly as the fleet's mean. A request on decode
-alone costs the tokens decode must compute, the compute queued there and decode's
-queue, at decode's pace. The lowest cost wins; ties go round robin. A session's
-next turn shares its prefix, so the instance that holds it wins unless what waits
-there outweighs the prefix: one long prompt being computed does, as a count of
-requests would not say. vLLM's router takes the least loaded instance when loads
-differ by more than a threshold; here the queue terms do that, in the same units
-as the prefix saved.
+With `--pace`, what an instance computes and queues is weighed by its pace
+(pace.py): 2 where it has been computing tokens twice as slowly as the fleet's
+mean. A request on decode alone costs the tokens decode must compute, the compute
+queued there and decode's queue, at decode's pace. The lowest cost wins; ties go
+round robin. A session's next turn shares its prefix, so the instance that holds
+it wins unless what waits there outweighs the prefix: one long prompt being
+computed does, as a count of requests would not say. vLLM's router takes the least
+loaded instance when loads differ by more than a threshold; here the queue terms
+do that, in the same units as the prefix saved.
 
 Pure: instances with their cached tokens and queues in, the choice out.
 """
