@@ -44,6 +44,10 @@ def _everything_until_closed(sock: socket.socket, seconds: float = 5.0) -> bytes
             chunk = sock.recv(65536)
         except TimeoutError:
             break
+        except ConnectionResetError:
+            # Closed with our bytes still unread in its buffer (the rest of an oversized
+            # frame, say): the kernel says so with a reset instead of an end of stream.
+            return received
         if not chunk:
             return received
         received += chunk
