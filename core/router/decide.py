@@ -9,10 +9,13 @@ the fixed cost shrinks with the prompt, and at low load it never paid. So by
 default (`auto`) a request runs on decode alone when what decode lacks of its
 prompt is under `min_uncached_tokens` (2,048: between the two measured lengths,
 and Dynamo's default), or when decode has nothing else in flight (nothing for
-prefill's compute to hold up); else it is disaggregated, unless its prefill
-instance is so much busier than decode that waiting there costs more than computing
-on decode (`prefill_queue_gap`). llm-d (`nonCachedTokens`) and vLLM's router
-(`kv_aware`, 256) decide on the uncached part alone; Dynamo adds a ratio.
+prefill's compute to hold up); else it is disaggregated, unless the least busy
+prefill instance has at least `prefill_busier_tokens` (1,024) more prompt tokens
+still to compute than decode: the prompt would wait behind them there, and a burst
+of long prompts would pile onto the prefill instances while decode computes none.
+The backlog is counted in tokens, not requests, since one long prompt being computed
+holds up the next as a dozen short ones would. llm-d (`nonCachedTokens`) and vLLM's
+router (`kv_aware`, 256) decide on the uncached part alone; Dynamo adds a ratio.
 
 Pure: numbers in, a `Decision` with its reason out (the reason is a metric's label).
 """
@@ -34,15 +37,17 @@ class DecisionRule:
     rule: str = "always"
     min_uncached_tokens: int = 2048
     alone_when_idle: bool = True
-    prefill_queue_gap: int = 4
+    prefill_busier_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ConfigError(f"unknown disaggregation rule {self.rule!r}; known: {list(RULES)}")
         if self.min_uncached_tokens < 0:
             raise ConfigError(f"min_uncached_tokens must be >= 0, not {self.min_uncached_tokens}")
-        if self.prefill_queue_gap < 1:
-            raise ConfigError(f"prefill_queue_gap must be >= 1, not {self.prefill_queue_gap}")
+        if self.prefill_busier_tokens < 1:
+            raise ConfigError(
+                f"prefill_busier_tokens must be >= 1, not {self.prefill_busier_tokens}"
+            )
 
     @property
     def needs_tokens(self) -> bool:
@@ -65,12 +70,15 @@ def decide(
     prompt_tokens: int | None,
     cached_on_decode: int,
     decode_queue: int,
-    prefill_queue: int,
+    *,
+    decode_backlog: int = 0,
+    prefill_backlog: int = 0,
 ) -> Decision:
     """The path for one request. `prompt_tokens` None: the prompt could not be
     tokenized (then it is disaggregated, as without a rule); `cached_on_decode`:
-    tokens of its prefix the chosen decode instance holds; the queues: requests in
-    flight at the chosen decode and the least busy prefill instance."""
+    tokens of its prefix the chosen decode instance holds; `decode_queue`: requests
+    in flight there; the backlogs: prompt tokens still to compute before a first
+    token at the chosen decode and at the least busy prefill instance."""
     if rule.rule == "always":
         return Decision(True, "rule_always")
     if rule.rule == "never":
@@ -83,6 +91,6 @@ def decide(
         return Decision(False, "cached_on_decode" if covered else "short")
     if rule.alone_when_idle and decode_queue == 0:
         return Decision(False, "decode_idle")
-    if prefill_queue - decode_queue >= rule.prefill_queue_gap:
+    if prefill_backlog - decode_backlog >= rule.prefill_busier_tokens:
         return Decision(False, "prefill_busier")
     return Decision(True, "long_uncached")

@@ -40,8 +40,8 @@ class RoutingPolicy:
 NUMBERS = (
     ("--min-uncached-tokens", DecisionRule.min_uncached_tokens,
      "auto: a prompt of which decode lacks fewer tokens runs on decode alone"),
-    ("--prefill-queue-gap", DecisionRule.prefill_queue_gap,
-     "auto: decode alone when the least busy prefill has N more requests in flight"),
+    ("--prefill-busier-tokens", DecisionRule.prefill_busier_tokens,
+     "auto: decode alone when the least busy prefill has N more prompt tokens to compute"),
     ("--queue-tokens", Weights.queue_tokens,
      "prefix placement: a request in flight weighs as N prompt tokens"),
 )  # fmt: skip
@@ -92,6 +92,6 @@ def roles(text: str) -> tuple[str, ...]:
 
 def policy_of(args: Any) -> RoutingPolicy:
     rule = DecisionRule(args.disaggregate, args.min_uncached_tokens, args.alone_when_idle,
-                        args.prefill_queue_gap)  # fmt: skip
+                        args.prefill_busier_tokens)  # fmt: skip
     return RoutingPolicy(rule, args.placement, Weights(queue_tokens=args.queue_tokens),
                          args.aggregate_on, args.pace)  # fmt: skip

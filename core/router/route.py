@@ -153,7 +153,8 @@ class Planner:
             decode = self.decode.pick(avoid=avoid, fits=lambda d: pairs(prefill, d))
             whole = decode if self.whole is self.decode else self.whole.pick(avoid=avoid)
             decision = decide(self.policy.rule, size, self._cached(whole, tokens, chains),
-                              whole.outstanding, prefill.outstanding)  # fmt: skip
+                              whole.outstanding, decode_backlog=whole.computing,
+                              prefill_backlog=prefill.computing)  # fmt: skip
             if not decision.disaggregate:
                 prefill, decode = None, whole
         cached = self._cached(decode, tokens, chains)
@@ -181,9 +182,9 @@ class Planner:
         wholes = self._scored(self.whole.candidates(avoid=avoid), tokens, chains)
         prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens, chains)
         whole: Any = place_alone(w, size, wholes, self.whole.turn())
-        least_prefill = min(p.queue for p in prefills)
         decision = decide(self.policy.rule, size, self._cached(whole, tokens, chains),
-                          whole.outstanding, least_prefill)  # fmt: skip
+                          whole.outstanding, decode_backlog=whole.computing,
+                          prefill_backlog=min(p.computing for p in prefills))  # fmt: skip
         if not decision.disaggregate:
             return None, whole, decision
         decodes = wholes

@@ -23,34 +23,43 @@ from kvpush.router.prefix import Blocks, PrefixIndex, chain
 from kvpush.router.request import Trace
 from kvpush.router.route import Computing, Planner
 
-AUTO = DecisionRule("auto", min_uncached_tokens=2048, alone_when_idle=True, prefill_queue_gap=4)
+AUTO = DecisionRule("auto", min_uncached_tokens=2048, alone_when_idle=True,
+                    prefill_busier_tokens=1024)  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("prompt", "cached", "decode_queue", "prefill_queue", "path", "reason"),
+    ("prompt", "cached", "decode_queue", "backlogs", "path", "reason"),
     [
-        (300, 0, 3, 0, "decode_alone", "short"),
-        (5000, 4096, 3, 0, "decode_alone", "cached_on_decode"),
-        (5000, 0, 0, 0, "decode_alone", "decode_idle"),
-        (5000, 0, 1, 5, "decode_alone", "prefill_busier"),
-        (5000, 0, 1, 4, "disaggregated", "long_uncached"),
-        (5000, 2952, 2, 0, "disaggregated", "long_uncached"),  # 2,048 uncached: not under
-        (None, 0, 0, 0, "disaggregated", "untokenized"),
+        (300, 0, 3, (0, 0), "decode_alone", "short"),
+        (5000, 4096, 3, (0, 0), "decode_alone", "cached_on_decode"),
+        (5000, 0, 0, (0, 0), "decode_alone", "decode_idle"),
+        # The prefill instance is computing a long prompt, decode only decodes.
+        (5000, 0, 1, (0, 2800), "decode_alone", "prefill_busier"),
+        (5000, 0, 1, (2000, 3024), "decode_alone", "prefill_busier"),
+        (5000, 0, 1, (2000, 3023), "disaggregated", "long_uncached"),
+        # Many requests in flight at decode, none computing: prefill's one long
+        # prompt outweighs them.
+        (5000, 0, 9, (0, 1024), "decode_alone", "prefill_busier"),
+        (5000, 0, 1, (3000, 2500), "disaggregated", "long_uncached"),
+        (5000, 2952, 2, (0, 0), "disaggregated", "long_uncached"),  # 2,048 uncached: not under
+        (None, 0, 0, (0, 0), "disaggregated", "untokenized"),
     ],
 )
 def test_auto_runs_on_decode_alone_unless_a_long_uncached_prompt_meets_a_busy_decode(
-    prompt, cached, decode_queue, prefill_queue, path, reason
+    prompt, cached, decode_queue, backlogs, path, reason
 ):
-    decision = decide(AUTO, prompt, cached, decode_queue, prefill_queue)
+    decode_backlog, prefill_backlog = backlogs
+    decision = decide(AUTO, prompt, cached, decode_queue, decode_backlog=decode_backlog,
+                      prefill_backlog=prefill_backlog)  # fmt: skip
     assert (decision.path, decision.reason) == (path, reason)
 
 
 def test_always_and_never_ignore_the_numbers_and_idle_can_be_turned_off():
-    assert decide(DecisionRule("always"), 10, 0, 0, 0).reason == "rule_always"
-    assert decide(DecisionRule("never"), 10**6, 0, 9, 0).path == "decode_alone"
+    assert decide(DecisionRule("always"), 10, 0, 0).reason == "rule_always"
+    assert decide(DecisionRule("never"), 10**6, 0, 9).path == "decode_alone"
     busy_or_not = DecisionRule("auto", alone_when_idle=False)
-    assert decide(busy_or_not, 5000, 0, 0, 0).path == "disaggregated"
-    assert decide(DecisionRule("auto", min_uncached_tokens=0), 1, 0, 1, 0).disaggregate
+    assert decide(busy_or_not, 5000, 0, 0).path == "disaggregated"
+    assert decide(DecisionRule("auto", min_uncached_tokens=0), 1, 0, 1).disaggregate
 
 
 @pytest.mark.parametrize(
@@ -58,7 +67,7 @@ def test_always_and_never_ignore_the_numbers_and_idle_can_be_turned_off():
     [
         ({"rule": "sometimes"}, "sometimes"),
         ({"min_uncached_tokens": -1}, "-1"),
-        ({"prefill_queue_gap": 0}, "prefill_queue_gap"),
+        ({"prefill_busier_tokens": 0}, "prefill_busier_tokens"),
     ],
 )
 def test_a_bad_rule_is_refused_naming_what_is_wrong(fields, named):
@@ -301,6 +310,32 @@ def test_a_disaggregated_request_still_pairs_a_prefill_with_a_decode_instance():
         assert route.decision.reason == "long_uncached"
         assert (route.prefill.role, route.decode.role) == ("prefill", "decode")
     assert metrics.counter("router_whole_requests", role="prefill") == 0
+
+
+def test_a_burst_of_long_prompts_does_not_pile_onto_the_prefill_instance():
+    """The decodes each run a decode and compute nothing; four long prompts come at
+    once. The prefill instance takes the first; while it computes that, the next two
+    would wait behind it, so they run on the decodes, one each; the fourth finds
+    every instance as far behind, and is disaggregated again."""
+    planner, metrics = _fleet(("decode",))
+    for d in planner.decode.instances:
+        d.outstanding = 1
+    computers = []
+    for i in range(4):
+        route = planner.plan(list(range(i * 5000, i * 5000 + 3000)), None, lambda p, d: True)
+        for leg in (route.prefill, route.decode):
+            if leg is not None:
+                leg.outstanding += 1
+        Computing(route.computer, route.computing)  # as the router counts it until answered
+        computers.append((route.decision.reason, route.computer.url))
+    assert computers == [
+        ("long_uncached", "http://p:1"),
+        ("prefill_busier", computers[1][1]),
+        ("prefill_busier", computers[2][1]),
+        ("long_uncached", "http://p:1"),
+    ]
+    assert {computers[1][1], computers[2][1]} == {"http://d:1", "http://d:2"}
+    assert metrics.counter("router_decisions", path="decode_alone", reason="prefill_busier") == 2
 
 
 def test_load_placement_spreads_whole_requests_over_every_instance_and_retries_across_roles():
