@@ -77,6 +77,30 @@ def test_each_decision_path_answers_as_a_plain_instance(cluster, client, single)
         cluster.stop_router("decide")
 
 
+def test_a_burst_of_long_prompts_runs_on_decode_where_prefill_is_behind(cluster, client, single):
+    """Four long prompts at once: the first is disaggregated; the next finds prefill
+    its whole prompt behind decode and runs on decode alone (`prefill_busier`), so
+    the burst does not queue on the one prefill instance."""
+    flags = (*AUTO, "--prefill-busier-tokens", "256")
+    router = cluster.start_router(["prefill"], ["decode"], name="busier", flags=flags)
+    try:
+        prompts = [prompt(600, 4400 + i) for i in range(4)]
+        plain = [client.tokens(single, p) for p in prompts]
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: client.tokens(router, p), prompts))
+        assert answers == plain
+        routes = [t["route"] for t in client.http.get(router + "/kvpush/trace?last=4").json()]
+        reasons = sorted(r["reason"] for r in routes)
+        assert "long_uncached" in reasons and "prefill_busier" in reasons, reasons
+        for route in routes:
+            if route["reason"] == "prefill_busier":
+                assert (route["path"], route["prefill"]) == ("decode_alone", None), route
+        assert client.metric(router, "kvpush_router_decisions_total", 'reason="prefill_busier"')
+        _nothing_held(client, cluster, ["prefill", "decode"])
+    finally:
+        cluster.stop_router("busier")
+
+
 def test_a_sessions_turns_go_to_the_decode_holding_its_prefix(cluster, client, single, decode2):
     router = cluster.start_router(
         ["prefill"], ["decode", decode2], name="sessions", flags=(*AUTO, "--placement", "prefix")
