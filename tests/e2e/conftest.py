@@ -33,6 +33,11 @@ UPSTREAM_PREFILL_LEG = {
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
 }  # fmt: skip
 DECODE_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0}
+# The session decode's requests may wait for a prefill leg a test sends seconds later
+# (test_vllm_push's waiting-CPU test: 32 legs, then 2 s of measuring), and a module on
+# the other pytest worker may hold prefill's core for seconds meanwhile (CI saw 4.6 s):
+# a watchdog that leaves room for both, so such a test measures pushing, not the host.
+CLUSTER_DECODE_TIMERS = {**DECODE_TIMERS, "watchdog_s": 12.0}
 # A prefill answer no decode announces is let go after orphan_grace_s: short here.
 PREFILL_TIMERS = {"heartbeat_s": 1.0, "write_grace_s": 2.0, "orphan_grace_s": 3.0}
 # Each server's KV cache in blocks: 131,072 tokens at the CPU build's 128-token blocks
@@ -199,7 +204,9 @@ def cluster(workspace: Cluster) -> Cluster:
     workspace.add_server(
         "prefill", "kv_producer", core=0, bootstrap_port=free_port(), **PREFILL_TIMERS
     )
-    workspace.add_server("decode", "kv_both", core=1, policy="recompute", **DECODE_TIMERS)
+    workspace.add_server(
+        "decode", "kv_both", core=1, policy="recompute", **CLUSTER_DECODE_TIMERS
+    )
     workspace.start(*added, "prefill", "decode")
     return workspace
 
