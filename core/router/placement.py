@@ -21,12 +21,15 @@ computed does, as a count of requests would not say. vLLM's router takes the lea
 loaded instance when loads differ by more than a threshold; here the queue terms
 do that, in the same units as the prefix saved.
 
-Pure: instances with their cached tokens and queues in, the choice out.
+Pure: candidates (instances with their cached tokens and queues) in, the chosen
+candidates out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpush.errors import ConfigError
 
@@ -72,14 +75,14 @@ def _own(w: Weights, computed: int, instance: Candidate) -> float:
 
 
 def cheapest(costs: list[tuple[float, object]], turn: int) -> object:
-    """The key of the lowest cost; among equals the `turn`-th (round robin)."""
+    """What the lowest cost was paid for; among equals the `turn`-th (round robin)."""
     least = min(cost for cost, _ in costs)
     tied = [key for cost, key in costs if cost == least]
     return tied[turn % len(tied)]
 
 
-def place_alone(w: Weights, prompt: int, decodes: list[Candidate], turn: int) -> object:
-    return cheapest([(alone_cost(w, prompt, d), d.key) for d in decodes], turn)
+def place_alone(w: Weights, prompt: int, decodes: list[Candidate], turn: int) -> Candidate:
+    return cheapest([(alone_cost(w, prompt, d), d) for d in decodes], turn)  # type: ignore[return-value]
 
 
 def place_pair(
@@ -87,11 +90,11 @@ def place_pair(
     prompt: int,
     prefills: list[Candidate],
     decodes: list[Candidate],
-    pairs: object = None,
+    pairs: Callable[[Any, Any], bool] | None = None,
     turn: int = 0,
-) -> tuple[object, object]:
-    """The cheapest (prefill key, decode key); `pairs(p, d)`: whether the two may
+) -> tuple[Candidate, Candidate]:
+    """The cheapest (prefill, decode); `pairs(p.key, d.key)`: whether the two may
     pair (where none may, every pair is scored and the caller refuses the pick)."""
-    every = [(pair_cost(w, prompt, p, d), (p.key, d.key)) for p in prefills for d in decodes]
-    allowed = [c for c in every if pairs is None or pairs(*c[1])]  # type: ignore[operator]
+    every = [(pair_cost(w, prompt, p, d), (p, d)) for p in prefills for d in decodes]
+    allowed = [c for c in every if pairs is None or pairs(c[1][0].key, c[1][1].key)]
     return cheapest(allowed or every, turn)  # type: ignore[return-value]

@@ -144,55 +144,66 @@ class Planner:
         pairs: Callable[[Instance, Instance], bool],
     ) -> Route:
         """Where a request goes; counted and logged with its reason."""
-        size = None if tokens is None else len(tokens)
         chains: dict[int, list[int]] = {}  # the prompt hashed once per block size
         if self.policy.placement == "prefix" and tokens is not None:
-            prefill, decode, decision = self._scored_route(tokens, avoid, pairs, chains)
-        else:  # the least loaded pair, as the pools pick
-            prefill = self.prefill.pick(avoid=avoid)
-            decode = self.decode.pick(avoid=avoid, fits=lambda d: pairs(prefill, d))
-            whole = decode if self.whole is self.decode else self.whole.pick(avoid=avoid)
-            decision = decide(self.policy.rule, size, self._cached(whole, tokens, chains),
-                              whole.outstanding, decode_backlog=whole.computing,
-                              prefill_backlog=prefill.computing)  # fmt: skip
-            if not decision.disaggregate:
-                prefill, decode = None, whole
-        cached = self._cached(decode, tokens, chains)
-        computing = 0
-        if tokens is not None:  # what the instance computing the prompt lacks of it
-            held = cached if prefill is None else self._cached(prefill, tokens, chains)
-            computing = max(len(tokens) - held, 0)
+            route = self._scored_route(tokens, avoid, pairs, chains)
+        else:
+            route = self._loaded_route(tokens, avoid, pairs, chains)
+        decision = route.decision
         self.metrics.inc("router_decisions", path=decision.path, reason=decision.reason)
         if not decision.disaggregate:
-            self.metrics.inc("router_whole_requests", role=decode.role)
+            self.metrics.inc("router_whole_requests", role=route.decode.role)
         if tokens is not None:
             self.metrics.inc("router_prompt_tokens", len(tokens))
-            self.metrics.inc("router_decode_cached_tokens", cached)
+            self.metrics.inc("router_decode_cached_tokens", route.cached)
         log.debug("kvpush router: %s (%s): decode %s, prefill %s", decision.path,
-                  decision.reason, decode.url, prefill and prefill.url)  # fmt: skip
-        return Route(decode, prefill, decision, tokens, cached, computing)
+                  decision.reason, route.decode.url,
+                  route.prefill and route.prefill.url)  # fmt: skip
+        return route
+
+    def _loaded_route(
+        self, tokens: list[int] | None, avoid: Instance | None,
+        pairs: Callable[[Instance, Instance], bool], chains: dict[int, list[int]],
+    ) -> Route:  # fmt: skip
+        """The least loaded pair, as the pools pick; the decision from the instance
+        a whole request would run on."""
+        prefill_instance = self.prefill.pick(avoid=avoid)
+        decode_instance = self.decode.pick(avoid=avoid, fits=lambda d: pairs(prefill_instance, d))
+        whole_instance = (
+            decode_instance if self.whole is self.decode else self.whole.pick(avoid=avoid)
+        )
+        whole = self._candidate(whole_instance, tokens, chains)
+        decision = self._decide(tokens, whole, prefill_instance.computing)
+        if not decision.disaggregate:
+            return _route(decision, tokens, whole)
+        prefill = self._candidate(prefill_instance, tokens, chains)
+        return _route(decision, tokens, self._candidate(decode_instance, tokens, chains), prefill)
 
     def _scored_route(
         self, tokens: list[int], avoid: Instance | None,
         pairs: Callable[[Instance, Instance], bool], chains: dict[int, list[int]],
-    ) -> tuple[Instance | None, Instance, Decision]:  # fmt: skip
+    ) -> Route:  # fmt: skip
         """The instance for the whole request first; the decision from what it holds
         and its queue; then, if disaggregated, the pair scored jointly."""
-        w, size = self.policy.weights, len(tokens)
-        wholes = self._scored(self.whole.candidates(avoid=avoid), tokens, chains)
-        prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens, chains)
-        whole: Any = place_alone(w, size, wholes, self.whole.turn())
-        decision = decide(self.policy.rule, size, self._cached(whole, tokens, chains),
-                          whole.outstanding, decode_backlog=whole.computing,
-                          prefill_backlog=min(p.computing for p in prefills))  # fmt: skip
+        w, size, paces = self.policy.weights, len(tokens), self._paces()
+        wholes = self._scored(self.whole.candidates(avoid=avoid), tokens, chains, paces)
+        prefills = self._scored(self.prefill.candidates(avoid=avoid), tokens, chains, paces)
+        whole = place_alone(w, size, wholes, self.whole.turn())
+        decision = self._decide(tokens, whole, min(p.computing for p in prefills))
         if not decision.disaggregate:
-            return None, whole, decision
+            return _route(decision, tokens, whole)
         decodes = wholes
         if self.whole is not self.decode:
-            decodes = self._scored(self.decode.candidates(avoid=avoid), tokens, chains)
-        prefill, decode = place_pair(w, size, prefills, decodes, pairs,
-                                     self.prefill.turn())  # fmt: skip
-        return prefill, decode, decision  # type: ignore[return-value]
+            decodes = self._scored(self.decode.candidates(avoid=avoid), tokens, chains, paces)
+        prefill, decode = place_pair(w, size, prefills, decodes, pairs, self.prefill.turn())
+        return _route(decision, tokens, decode, prefill)
+
+    def _decide(self, tokens: list[int] | None, whole: Candidate, prefill_backlog: int) -> Decision:
+        """Disaggregated or not, from the instance a whole request would run on."""
+        size = None if tokens is None else len(tokens)
+        return decide(self.policy.rule, size, whole.cached, whole.queue,
+                      decode_backlog=whole.computing,
+                      prefill_backlog=prefill_backlog)  # fmt: skip
 
     def has_other(self, instance: Instance, route: Route) -> bool:
         """Whether a request that failed on `instance` may be retried elsewhere: on
@@ -209,19 +220,21 @@ class Planner:
             if instance is not None:
                 self.index.sent(instance.url, route.tokens, _block_size(instance))
 
-    def _cached(
-        self, instance: Instance, tokens: list[int] | None, chains: dict[int, list[int]]
-    ) -> int:
-        if tokens is None:
-            return 0
-        return self.index.cached_tokens(instance.url, tokens, _block_size(instance), chains)
+    def _candidate(
+        self, instance: Instance, tokens: list[int] | None, chains: dict[int, list[int]],
+        pace: float = 1.0,
+    ) -> Candidate:  # fmt: skip
+        cached = 0
+        if tokens is not None:
+            block_size = _block_size(instance)
+            cached = self.index.cached_tokens(instance.url, tokens, block_size, chains)
+        return Candidate(instance, cached, instance.outstanding, instance.computing, pace)
 
     def _scored(
-        self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]]
-    ) -> list[Candidate]:
-        paces = self._paces()
-        return [Candidate(i, self._cached(i, tokens, chains), i.outstanding, i.computing,
-                          paces.get(i.url, 1.0)) for i in instances]  # fmt: skip
+        self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]],
+        paces: dict[str, float],
+    ) -> list[Candidate]:  # fmt: skip
+        return [self._candidate(i, tokens, chains, paces.get(i.url, 1.0)) for i in instances]
 
     def _paces(self) -> dict[str, float]:
         """Each instance's pace over the whole fleet's (pace.py); none without --pace."""
@@ -235,3 +248,16 @@ class Planner:
 def _block_size(instance: Instance) -> int:
     identity = instance.any_identity()
     return identity.block_size if identity is not None else 0
+
+
+def _route(
+    decision: Decision, tokens: list[int] | None, decode: Candidate,
+    prefill: Candidate | None = None,
+) -> Route:  # fmt: skip
+    """The route through the chosen candidates: what decode holds of the prompt, and
+    what the instance computing it (prefill's, or decode alone) lacks."""
+    computing = 0
+    if tokens is not None:
+        computing = max(len(tokens) - (prefill or decode).cached, 0)
+    return Route(decode.key, prefill and prefill.key, decision, tokens, decode.cached,
+                 computing)  # type: ignore[arg-type]  # fmt: skip

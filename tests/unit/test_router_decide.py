@@ -82,21 +82,23 @@ def test_a_pair_is_scored_on_compute_saved_transfer_saved_and_both_queues():
     assert pair_cost(w, 2048, fresh, cold_d) == 2048 + 512
     assert pair_cost(w, 2048, warm, warm_d) == 1024 + 256
     # Prefill's prefix saves compute, decode's saves transfer: the pair holding both wins.
-    assert place_pair(w, 2048, [fresh, warm], [cold_d, warm_d]) == ("p1", "d1")
+    assert place_pair(w, 2048, [fresh, warm], [cold_d, warm_d]) == (warm, warm_d)
     # A queue outweighs a prefix once its requests weigh more than the prefix saves.
     busy_warm = Candidate("p1", 1024, 3)
-    assert place_pair(w, 2048, [fresh, busy_warm], [warm_d]) == ("p0", "d1")
+    assert place_pair(w, 2048, [fresh, busy_warm], [warm_d]) == (fresh, warm_d)
     # Pairs that cannot exchange KV are not scored while another can.
     assert place_pair(w, 2048, [fresh, warm], [cold_d, warm_d],
-                      pairs=lambda p, d: d != "d1") == ("p1", "d0")  # fmt: skip
+                      pairs=lambda p, d: d != "d1") == (warm, cold_d)  # fmt: skip
 
 
 def test_a_session_goes_where_its_prefix_is_unless_that_decode_is_much_busier():
     w = Weights(queue_tokens=512)
     holds, other = Candidate("d0", 3000, 1), Candidate("d1", 0, 0)
-    assert place_alone(w, 3200, [holds, other], turn=0) == "d0"
-    assert place_alone(w, 3200, [Candidate("d0", 3000, 8), other], turn=0) == "d1"
-    ties = {place_alone(w, 100, [Candidate("a", 0, 0), Candidate("b", 0, 0)], t) for t in (0, 1)}
+    assert place_alone(w, 3200, [holds, other], turn=0).key == "d0"
+    assert place_alone(w, 3200, [Candidate("d0", 3000, 8), other], turn=0).key == "d1"
+    ties = {
+        place_alone(w, 100, [Candidate("a", 0, 0), Candidate("b", 0, 0)], t).key for t in (0, 1)
+    }
     assert ties == {"a", "b"}  # equals go round robin
 
 
@@ -370,8 +372,8 @@ def test_compute_queued_on_an_instance_outweighs_the_prefix_it_holds():
     decoding = Candidate("d0", 1000, 1, computing=0)  # its one request is past its first token
     computing = Candidate("d0", 1000, 1, computing=2000)
     other = Candidate("d1", 0, 0)
-    assert place_alone(w, 1050, [decoding, other], turn=0) == "d0"
-    assert place_alone(w, 1050, [computing, other], turn=0) == "d1"
+    assert place_alone(w, 1050, [decoding, other], turn=0).key == "d0"
+    assert place_alone(w, 1050, [computing, other], turn=0).key == "d1"
     # A pair counts what prefill and decode each still compute.
     p, d = Candidate("p0", 0, 0, computing=300), Candidate("d0", 0, 0, computing=200)
     assert pair_cost(w, 1000, p, d) == 1000 + 300 + 200 + 0.25 * 1000
@@ -458,9 +460,10 @@ def test_a_whole_request_goes_to_the_instance_that_computes_faster():
     twice as fast wins, with the tokens queued on it that would tie at one pace."""
     w = Weights()
     slow, fast = Candidate("slow", 0, 0, pace=1.5), Candidate("fast", 0, 0, 500, pace=0.75)
-    assert place_alone(w, 1000, [slow, fast], turn=0) == "fast"
+    assert place_alone(w, 1000, [slow, fast], turn=0).key == "fast"
     assert (
-        place_alone(w, 1000, [Candidate("slow", 0, 0), Candidate("fast", 0, 0, 500)], 0) == "slow"
+        place_alone(w, 1000, [Candidate("slow", 0, 0), Candidate("fast", 0, 0, 500)], 0).key
+        == "slow"
     )
     p = Candidate("p", 0, 0, computing=400, pace=0.5)
     assert pair_cost(w, 1000, p, fast) == 0.5 * 1400 + 0.75 * 500 + 0.25 * 1000
