@@ -30,7 +30,6 @@ answers are the oracle the others' must match token for token.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 import time
@@ -181,11 +180,7 @@ class FleetDeployment(Deployment):
     def instances(self) -> list[dict[str, object]]:
         """The router's view of its instances at the cell's end (GET /instances): what it
         counted on each, and the pace it learnt."""
-        try:
-            with urllib.request.urlopen(self.target.url + "/instances", timeout=5) as answer:
-                return json.loads(answer.read())
-        except (OSError, ValueError):
-            return []
+        return load.get_json(self.target.url + "/instances") or []
 
     def pin(self) -> None:
         s = self.settings

@@ -15,6 +15,7 @@ import itertools
 import json
 import random
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -197,3 +198,13 @@ def percentile(values: list[float], q: float) -> float | None:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    """GET `url`'s JSON answer; None where there is none (not serving, an older kvpush
+    without that path, or not JSON)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None

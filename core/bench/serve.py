@@ -271,19 +271,11 @@ class Deployment:
     def _ask_each(self, path: str, routers: bool) -> dict[str, Any]:
         """GET `path` of each kvpush instance's identity port (and each router's): the
         JSON answers by name, leaving out any that does not answer."""
-        import urllib.request
-
         urls = {name: self.cluster.identity_url(name) for name in self.cluster.identity_ports}
         if routers:
             urls |= {name: url for name, (_, url) in self.cluster.routers.items()}
-        found = {}
-        for name, url in urls.items():
-            try:
-                with urllib.request.urlopen(url + path, timeout=5) as response:
-                    found[name] = json.loads(response.read())
-            except (OSError, ValueError):
-                continue  # an older kvpush, or not serving: nothing to add
-        return found
+        answers = {name: load.get_json(url + path) for name, url in urls.items()}
+        return {name: answer for name, answer in answers.items() if answer is not None}
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of each server's process tree and of each router's."""

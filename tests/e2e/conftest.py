@@ -204,9 +204,7 @@ def cluster(workspace: Cluster) -> Cluster:
     workspace.add_server(
         "prefill", "kv_producer", core=0, bootstrap_port=free_port(), **PREFILL_TIMERS
     )
-    workspace.add_server(
-        "decode", "kv_both", core=1, policy="recompute", **CLUSTER_DECODE_TIMERS
-    )
+    workspace.add_server("decode", "kv_both", core=1, policy="recompute", **CLUSTER_DECODE_TIMERS)
     workspace.start(*added, "prefill", "decode")
     return workspace
 
