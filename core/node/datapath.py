@@ -193,8 +193,9 @@ class DataPath:
             log.debug("kvpush: removing NIXL peer %s: %s", agent_peer, exc)
 
     def _reconnect(self, agent_peer: str) -> None:
-        """A WRITE to `agent_peer` failed outright: the UCX endpoint it used may have
-        died with its network route (a short cut) while the side channel held. Load
+        """A WRITE to `agent_peer` (or a READ from it) failed outright: the UCX
+        endpoint it used may have died with its network route (a short cut) while the
+        side channel held. Load
         the peer's metadata again, so the next post opens a fresh endpoint, and
         prepare its descriptor tables anew. Transfers still in flight to it keep the
         old endpoint: it waits until they settled."""
@@ -303,12 +304,9 @@ class DataPath:
         """Fence and stage each WRITE's source, then post them as one; a WRITE that
         cannot go fails alone, the rest still go."""
         route = self.routes.get(peer)
-        try:
-            if route is not None:
-                self._reconnect(route.agent_peer)
-        except Exception as exc:  # it stays broken: the next post tries again
-            detail = f"reconnecting to the consumer's NIXL agent failed: {exc}"
-            return [Settled("WRITE", write.transfer_id, peer, False, detail) for write in group]
+        problem = self._reconnect_problem(route, "consumer")
+        if problem:
+            return [Settled("WRITE", write.transfer_id, peer, False, problem) for write in group]
         settled: list[Settled] = []
         parts: list[_Part] = []
         for write in group:
@@ -337,15 +335,33 @@ class DataPath:
 
     def post_read(self, read: act.PostRead) -> list[Settled]:
         route = self.routes.get(read.peer)
+        problem = self._reconnect_problem(route, "producer")
+        if problem:
+            return [Settled("READ", read.transfer_id, read.peer, False, problem)]
         try:
             if route is None:
                 raise TransportError("READ", "the producer's session is gone", read.peer)
             part = self._part(route, read.transfer_id, read.local_blocks,
                               read.remote_blocks, None, b"")  # fmt: skip
+        except Exception as exc:  # descriptors: nothing was posted
+            return [Settled("READ", read.transfer_id, read.peer, False, str(exc))]
+        try:
             flight = self._post(self.reads, "READ", route, [part])
-        except Exception as exc:  # nothing was posted
+        except Exception as exc:  # NIXL refused the post: nothing is in flight
+            self._broken.add(route.agent_peer)
             return [Settled("READ", read.transfer_id, read.peer, False, str(exc))]
         return self._settle_if_finished(self.reads, flight)
+
+    def _reconnect_problem(self, route: Route | None, whose: str) -> str:
+        """Reconnect `route`'s NIXL peer if a transfer to it failed outright; why that
+        failed ("": it did not, or had no need). It stays broken then: the next post
+        tries again."""
+        try:
+            if route is not None:
+                self._reconnect(route.agent_peer)
+        except Exception as exc:
+            return f"reconnecting to the {whose}'s NIXL agent failed: {exc}"
+        return ""
 
     def _part(
         self,
@@ -456,8 +472,7 @@ class DataPath:
                 done = self.agent.done(flight.transfer)
             except TransportError as exc:
                 table.remove(flight)
-                if flight.transfer.op == "WRITE":
-                    self._broken.add(flight.transfer.peer)
+                self._broken.add(flight.transfer.peer)
                 settled += _settled(flight, False, str(exc))
                 continue
             except Exception as exc:  # a bug below us: the transfer's state is unknown

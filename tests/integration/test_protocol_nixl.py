@@ -261,6 +261,32 @@ def test_pull_mode_reads_after_the_producer_finishes(spawn):
     _quiet(consumer)
 
 
+def test_a_read_whose_nixl_peer_went_fails_and_the_next_read_goes_on_a_fresh_one(spawn):
+    # The producer's NIXL agent vanishes from under the consumer (as its UCX endpoint
+    # does when a short cut takes the route): that READ fails, and the data path loads
+    # the producer's metadata again, or every later READ from it would fail the same.
+    producer = spawn("producer", "prefill", mode="pull")
+    consumer = spawn("consumer", "decode", mode="pull")
+    producer.call("kv_ready", tid="t0", blocks=[2], value=0x22)
+    consumer.call("expect", tid="t0", producer=producer.address, blocks=[5])
+    assert _one(consumer)["kind"] == "delivered"
+    assert _one(producer)["reason"] == "sent"
+    consumer.call("forget_peers")
+    producer.call("kv_ready", tid="t1", blocks=[4], value=0x33)
+    consumer.call("expect", tid="t1", producer=producer.address, blocks=[0])
+    failed = _one(consumer)
+    assert (failed["kind"], failed["reason"]) == ("failed", "read_failed"), failed
+    assert _one(producer)["kind"] == "released"
+    producer.call("kv_ready", tid="t2", blocks=[6], value=0x44)
+    consumer.call("expect", tid="t2", producer=producer.address, blocks=[9])
+    assert _one(consumer)["kind"] == "delivered"
+    assert _one(producer)["reason"] == "sent"
+    for layer in _values(consumer):
+        assert (layer[5], layer[9], layer[0]) == ([0x22], [0x44], [0])
+    assert _total(_quiet(consumer)["metrics"], "reconnects") == 1
+    _quiet(producer)
+
+
 def test_push_and_pull_peers_refuse_to_pair_with_a_clear_reason(spawn):
     producer = spawn("producer", "prefill", mode="push")
     consumer = spawn("consumer", "decode", mode="pull")

@@ -403,6 +403,39 @@ def test_a_reconnect_that_fails_fails_the_writes_and_is_tried_again(path):
     assert data.post_writes([_write("a")]) == [] and len(agent.posts) == 1
 
 
+def test_a_read_that_failed_outright_reconnects_its_producer_before_the_next_read(path):
+    # Pull mode's READs cross the UCX endpoint a cut link can kill, as push's WRITEs
+    # do: without a fresh one, every later READ from that producer fails the same way.
+    data, agent, _, _ = path
+    data.post_read(PostRead("r", "decode:1", [0, 1], [4, 5]))
+    agent.state[0] = TransportError("READ completion", "remote disconnected")
+    [settled] = data.progress()
+    assert (settled.op, settled.ok) == ("READ", False) and agent.removed == []
+    assert data.post_read(PostRead("s", "decode:1", [2], [6])) == []
+    assert agent.removed == ["decode-agent"] and "decode-agent" in agent.peers
+    assert agent.released_lists == ["decode-agent"]  # the old table, prepared anew
+    assert data.routes["decode:1"].prepared.peer == "decode-agent"
+    assert len(agent.posts) == 2
+    agent.state[1] = True
+    data.progress()
+    data.post_read(PostRead("t", "decode:1", [3], [7]))
+    assert agent.removed == ["decode-agent"]  # once per failure, not per READ
+
+
+def test_a_refused_read_reconnects_and_a_reconnect_that_fails_fails_the_read(path):
+    data, agent, _, _ = path
+    agent.refuse_posts = True
+    [refused] = data.post_read(PostRead("r", "decode:1", [0], [4]))
+    assert not refused.ok and agent.removed == []
+    agent.refuse_posts = False
+    agent.refuse_prepare_for = "decode-agent"
+    [settled] = data.post_read(PostRead("r", "decode:1", [0], [4]))
+    assert not settled.ok and "reconnecting to the producer's" in settled.detail
+    assert agent.posts == []
+    agent.refuse_prepare_for = None
+    assert data.post_read(PostRead("r", "decode:1", [0], [4])) == [] and len(agent.posts) == 1
+
+
 def test_a_nixl_peer_is_kept_while_a_transfer_to_it_is_in_flight_and_dropped_after(path):
     data, agent, _, _ = path
     data.post_writes([_write("a")])
