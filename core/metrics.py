@@ -30,7 +30,7 @@ HELP = {
     "rejected_notifs": "NIXL notifications ignored, by why",
     "handshakes": "Side-channel handshakes, by result",
     "write_retries": "Failed producer WRITEs posted again into the same blocks",
-    "reconnects": "NIXL peers loaded again after a WRITE to them failed outright",
+    "reconnects": "NIXL peers loaded again after a WRITE to or READ from them failed outright",
     "paired_consumers": "Consumers paired, by the order WRITEs to them take",
     "silent_consumers": "Consumer links dropped for silence while blocks were registered",
     "post_seconds": "Time to prepare and post one NIXL transfer",

@@ -195,10 +195,9 @@ class DataPath:
     def _reconnect(self, agent_peer: str) -> None:
         """A WRITE to `agent_peer` (or a READ from it) failed outright: the UCX
         endpoint it used may have died with its network route (a short cut) while the
-        side channel held. Load
-        the peer's metadata again, so the next post opens a fresh endpoint, and
-        prepare its descriptor tables anew. Transfers still in flight to it keep the
-        old endpoint: it waits until they settled."""
+        side channel held. Load the peer's metadata again, so the next post opens a
+        fresh endpoint, and prepare its descriptor tables anew. Transfers still in
+        flight to it keep the old endpoint: it waits until they settled."""
         if agent_peer not in self._broken or self._in_flight_to(agent_peer):
             return
         routes = [route for route in self.routes.values() if route.agent_peer == agent_peer]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpush.errors import ConfigError
 
@@ -74,7 +74,10 @@ def _own(w: Weights, computed: int, instance: Candidate) -> float:
     return w.compute * (computed + instance.computing) + w.queue_tokens * instance.queue
 
 
-def cheapest(costs: list[tuple[float, object]], turn: int) -> object:
+T = TypeVar("T")
+
+
+def cheapest(costs: list[tuple[float, T]], turn: int) -> T:
     """What the lowest cost was paid for; among equals the `turn`-th (round robin)."""
     least = min(cost for cost, _ in costs)
     tied = [key for cost, key in costs if cost == least]
@@ -82,7 +85,7 @@ def cheapest(costs: list[tuple[float, object]], turn: int) -> object:
 
 
 def place_alone(w: Weights, prompt: int, decodes: list[Candidate], turn: int) -> Candidate:
-    return cheapest([(alone_cost(w, prompt, d), d) for d in decodes], turn)  # type: ignore[return-value]
+    return cheapest([(alone_cost(w, prompt, d), d) for d in decodes], turn)
 
 
 def place_pair(
@@ -97,4 +100,4 @@ def place_pair(
     pair (where none may, every pair is scored and the caller refuses the pick)."""
     every = [(pair_cost(w, prompt, p, d), (p, d)) for p in prefills for d in decodes]
     allowed = [c for c in every if pairs is None or pairs(c[1][0].key, c[1][1].key)]
-    return cheapest(allowed or every, turn)  # type: ignore[return-value]
+    return cheapest(allowed or every, turn)
