@@ -177,6 +177,33 @@ def test_pull_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, c
     assert stream == stream_expected and from_decode == 0
 
 
+def test_pull_reads_across_the_link_again_after_decodes_end_was_cut(pair, client, single):
+    """Decode's end of the link down 2 s under pull load: no request hangs or answers
+    other than plain, and once the link is back each prompt's KV crosses it again.
+    (Decode posts a READ on the producer's word, which the cut holds back, so a READ
+    is seldom caught in it; a READ that failed outright and the fresh endpoint after
+    it are tested on real NIXL in tests/integration/test_protocol_nixl.py.)"""
+    pair.running(Shape("pull"))
+    router = pair.router("hosts-pull-cut")
+
+    def cut() -> None:
+        with faults.partitioned(pair.hosts.b):
+            time.sleep(2.0)
+
+    try:
+        sent, struck, healed, recovered = _under_load(router, 26000, cut)
+        assert _in_flight(sent, struck, healed) >= faults.LOAD_CLIENTS, "no load during the cut"
+        wrong = faults.wrong_outcomes(sent, _plain_answers(client, single, sent))
+        assert not wrong, wrong
+        assert recovered < faults.BOUND_S, "no request answered after the link came back"
+        prompts = [prompt(n, 26100 + i) for i, n in enumerate((129, 400, 700))]
+        expected = expected_tokens(client, single, prompts)
+        with across_the_link(client, pair, prompts):
+            assert concurrently(client, router, prompts) == expected
+    finally:
+        pair.cluster.stop_router("hosts-pull-cut")
+
+
 # -- network faults, under load (tests/e2e/network_faults.py) -------------------------
 # Push, with prefill's lease_s and registration_ttl_s at 10 s so that what a fault
 # strands is let go within a test; decode's watchdog_s is DECODE_TIMERS' 6 s.
