@@ -17,11 +17,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "handshakes_refused")
+from kvpush.metrics import Metrics
+
+COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "handshakes_refused",
+          "reconnects")  # fmt: skip
 SAMPLES = ("done_to_ready_s",)
 # Per reason: decode prompts computed locally (the scheduler's), and transfers whose
 # other leg never came (prefill: KV nobody announced; decode: a leg without params).
 BY_REASON = ("recomputed", "orphaned", "refused")
+
+
+def node_totals(metrics: Metrics) -> dict[str, float]:
+    """The counts of COUNTS that a worker's Node keeps (kvpush.metrics), by the key
+    they are reported under: totals so far, which the worker turns into increments."""
+    return {
+        "rejected_messages": metrics.counter("rejected_messages"),
+        "handshakes_refused": metrics.counter("handshakes", result="refused"),
+        "reconnects": metrics.counter("reconnects"),
+    }
 
 
 @dataclass
@@ -143,4 +156,5 @@ _DOCS = {
     "bytes": "Bytes kvpush moved with NIXL",
     "rejected_messages": "Side-channel messages refused (bad signature, malformed, stray)",
     "handshakes_refused": "Pairings refused (mode, secret, ranks, layout, metadata)",
+    "reconnects": "NIXL peers loaded again after a transfer to or from them failed outright",
 }

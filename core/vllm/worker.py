@@ -27,7 +27,7 @@ from kvpush.vllm.groups import NULL_BLOCK
 from kvpush.vllm.hooks import RECORD, Parking, bound_reader_spin
 from kvpush.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.vllm.shape import EngineShape
-from kvpush.vllm.stats import KVPushStats
+from kvpush.vllm.stats import KVPushStats, node_totals
 from kvpush.vllm.wake import LandingNote, Ringer
 
 log = logging.getLogger(__name__)
@@ -440,11 +440,7 @@ class WorkerSide:
                 "done_to_ready_seconds", self._samples_seen
             )
             self._stats.data["done_to_ready_s"] += fresh
-            totals = {
-                "rejected_messages": metrics.counter("rejected_messages"),
-                "handshakes_refused": metrics.counter("handshakes", result="refused"),
-            }
-            for key, total in totals.items():
+            for key, total in node_totals(metrics).items():
                 self._stats.data[key] += int(total - self._counted.get(key, 0))
                 self._counted[key] = total
         if self._stats.is_empty():
