@@ -246,6 +246,9 @@ class WorkerSide:
         node, self.node = self.node, None
         self._port = node.listener.port if node.listener is not None else 0
         node.close()
+        # The next node counts from zero: what this one counted is reported now.
+        self._take_counts(node)
+        self._counted, self._samples_seen = {}, 0
         self._released = True
         for request_id in self._outcomes.end_all():
             self._noted.failed.setdefault(request_id, KV_CACHE_RELEASED)
@@ -435,18 +438,23 @@ class WorkerSide:
 
     def stats(self) -> KVPushStats | None:
         if self.node is not None:
-            metrics = self.node.metrics
-            fresh, self._samples_seen = metrics.samples_since(
-                "done_to_ready_seconds", self._samples_seen
-            )
-            self._stats.data["done_to_ready_s"] += fresh
-            for key, total in node_totals(metrics).items():
-                self._stats.data[key] += int(total - self._counted.get(key, 0))
-                self._counted[key] = total
+            self._take_counts(self.node)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVPushStats()
         return stats
+
+    def _take_counts(self, node: Node) -> None:
+        """What `node` counted since the last call, into the stats vLLM collects next
+        (the Node keeps totals; vLLM's counters take increments)."""
+        metrics = node.metrics
+        fresh, self._samples_seen = metrics.samples_since(
+            "done_to_ready_seconds", self._samples_seen
+        )
+        self._stats.data["done_to_ready_s"] += fresh
+        for key, total in node_totals(metrics).items():
+            self._stats.data[key] += int(total - self._counted.get(key, 0))
+            self._counted[key] = total
 
     def shutdown(self) -> None:
         self._ringer.close()

@@ -156,3 +156,24 @@ def test_a_decode_that_lets_go_of_its_memory_fails_its_claims_and_nothing_is_wri
     decode.restore_kv_caches()
     assert _sent(prefill, decode, "3", 4, epoch) == set()
     assert _block(decode, 4) == [3.0, 3.0]
+
+
+def test_what_a_worker_counts_goes_on_across_a_release(pair):
+    # Each boot's Node counts from zero; vLLM's counters take what was added since the
+    # last report. Measured against the old Node's totals, the new one's would report
+    # nothing (samples) or a negative count, which a Prometheus counter refuses.
+    prefill, decode = pair
+    epoch = prefill.handshake().epoch
+    assert _sent(prefill, decode, "1", 2, epoch) == set()
+    decode.node.metrics.inc("reconnects", 2)
+    first = decode.stats()
+    assert first is not None
+    assert (len(first.data["done_to_ready_s"]), first.data["reconnects"]) == (1, 2)
+    decode.node.metrics.inc("reconnects")  # counted, not yet reported, as it goes
+    decode.unregister_kv_caches()
+    decode.restore_kv_caches()
+    assert _sent(prefill, decode, "2", 4, epoch) == set()
+    decode.node.metrics.inc("reconnects")
+    later = decode.stats()
+    assert later is not None
+    assert (len(later.data["done_to_ready_s"]), later.data["reconnects"]) == (1, 2)
