@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -20,6 +22,7 @@ class Report:
         self.as_json = as_json
         self.progress = progress
         self.results: list[Any] = []
+        self._json_out = _own_stdout() if as_json else None
 
     def step(self, label: str) -> None:
         """Say what runs now."""
@@ -28,8 +31,8 @@ class Report:
     def add(self, result: Any) -> None:
         self.results.append(result)
         self.progress.advance()
-        if self.as_json:
-            print(json.dumps(asdict(result)), flush=True)
+        if self._json_out is not None:
+            print(json.dumps(asdict(result)), file=self._json_out, flush=True)
 
     def finish(self, print_table: Callable[[list[Any]], None]) -> list[Any]:
         """Close the progress bar; print the table unless JSON went out already."""
@@ -37,3 +40,14 @@ class Report:
         if not self.as_json:
             print_table(self.results)
         return self.results
+
+
+def _own_stdout() -> Any:
+    """Standard output for the JSON lines alone: a copy of its descriptor, with the
+    descriptor itself pointed at stderr. UCX and other native libraries write their
+    log lines to descriptor 1 (UCX's "failed to get interface index" while a network
+    namespace goes away, say), which would break a reader's JSON."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from dataclasses import dataclass
 
 from kvpush.bench.progress import Progress, duration
@@ -89,3 +91,29 @@ def test_durations_read_as_a_person_writes_them():
         "1h00m",
         "1h02m",
     ]
+
+
+def test_json_lines_stay_alone_on_stdout_whatever_writes_to_its_descriptor():
+    # UCX logs to descriptor 1 ("failed to get interface index" while a network
+    # namespace goes away); mixed into the JSON lines it broke a reader in CI.
+    script = """
+import os, sys
+from dataclasses import dataclass
+from kvpush.bench.progress import Progress
+from kvpush.bench.report import Report
+
+@dataclass
+class Row:
+    size: int
+
+report = Report(True, Progress("kvpush bench transfer", "result", 2, stream=sys.stderr, bar=False))
+os.write(1, b"UCX  ERROR   failed to get interface index\\n")
+report.add(Row(1))
+print("a stray print")
+report.add(Row(4))
+report.finish(print)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ['{"size": 1}', '{"size": 4}']
+    assert "failed to get interface index" in done.stderr and "a stray print" in done.stderr
