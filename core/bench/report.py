@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -42,11 +43,13 @@ class Report:
         return self.results
 
 
+@functools.cache
 def _own_stdout() -> Any:
     """Standard output for the JSON lines alone: a copy of its descriptor, with the
     descriptor itself pointed at stderr. UCX and other native libraries write their
     log lines to descriptor 1 (UCX's "failed to get interface index" while a network
-    namespace goes away, say), which would break a reader's JSON."""
+    namespace goes away, say), which would break a reader's JSON. Once a process:
+    a second call would copy the descriptor already pointed at stderr."""
     sys.stdout.flush()
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

@@ -176,8 +176,10 @@ class Planner:
         decision = self._decide(tokens, whole, prefill_instance.computing)
         if not decision.disaggregate:
             return _route(decision, tokens, whole)
-        prefill = self._candidate(prefill_instance, tokens, chains)
-        return _route(decision, tokens, self._candidate(decode_instance, tokens, chains), prefill)
+        decode = whole
+        if whole_instance is not decode_instance:
+            decode = self._candidate(decode_instance, tokens, chains)
+        return _route(decision, tokens, decode, self._candidate(prefill_instance, tokens, chains))
 
     def _scored_route(
         self, tokens: list[int], avoid: Instance | None,
