@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import selectors
 import shutil
 import socket
@@ -136,20 +138,22 @@ def test_kvpush_router_prints_its_instances_and_where_it_listens():
     command = [exe, "router", "--port", str(port), "--health-interval", "0",
                "--prefill", f"http://127.0.0.1:{closed},identity={closed}",
                "--decode", f"http://127.0.0.1:{closed}"]  # fmt: skip
-    router = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
+    router = subprocess.Popen(command, stderr=subprocess.PIPE)
+    said = b""
     try:
+        # Raw reads of the descriptor: a buffered readline() can pull the next lines
+        # into Python's buffer, where select() no longer sees them.
         with selectors.DefaultSelector() as waiting:
             waiting.register(router.stderr, selectors.EVENT_READ)
             deadline = time.monotonic() + 60
-            while not any("listening on" in line for line in lines):
-                assert time.monotonic() < deadline and router.poll() is None, lines
+            while not re.search(rb"listening on [^\n]*\n", said):
+                assert time.monotonic() < deadline and router.poll() is None, said
                 if waiting.select(timeout=1):
-                    lines.append(router.stderr.readline())
+                    said += os.read(router.stderr.fileno(), 65536)
     finally:
         router.terminate()
         router.wait(timeout=30)
-    text = "".join(lines)
+    text = said.decode()
     assert f"INFO kvpush router: listening on http://127.0.0.1:{port} (push mode" in text
     assert f"WARNING kvpush router: prefill instance http://127.0.0.1:{closed}" in text
     assert "refused the connection" in text
