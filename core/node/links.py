@@ -82,6 +82,7 @@ class Links:
         metrics: MetricsSink,
         connect_timeout_s: float,
         handshake_s: float = HANDSHAKE_S,
+        link_timeout_s: float | None = None,
     ) -> None:
         self.loop = loop
         self.data = data
@@ -91,6 +92,7 @@ class Links:
         self.metrics = metrics
         self.connect_timeout_s = connect_timeout_s
         self.handshake_s = handshake_s
+        self.link_timeout_s = link_timeout_s  # a peer silent this long is gone
         self._links: dict[str, _Link] = {}
         self._dialling: dict[str, tuple[str, str]] = {}
         self._next_conn = 0
@@ -155,7 +157,13 @@ class Links:
             return
         session = Session(self.secret, initiator=outgoing, nonce=os.urandom(16))
         conn = Connection(
-            self.loop, sock, self._on_frame, self._on_close, label=peer, max_frame=PRE_AUTH_FRAME
+            self.loop,
+            sock,
+            self._on_frame,
+            self._on_close,
+            label=peer,
+            max_frame=PRE_AUTH_FRAME,
+            dead_after_s=self.link_timeout_s,
         )
         link = self._links[peer] = _Link(peer, conn, session, outgoing, expected)
         link.deadline = self.loop.call_later(self.handshake_s, lambda: self._too_slow(link))

@@ -185,6 +185,7 @@ class Node:
             self.metrics,
             config.connect_timeout_s,
             config.handshake_s,
+            config.protocol.link_timeout_s,
         )
         self.interpreter = Interpreter(
             self.producer,

@@ -33,6 +33,11 @@ class ProtocolConfig:
         nothing more. So a consumer whose link broke (perhaps only on its side) may
         reuse those blocks `silence_s` after the last thing it sent, plus the time a
         posted WRITE may take to land. At least three heartbeats.
+    link_timeout_s: a side-channel link whose peer has acknowledged nothing for this
+        long, not even TCP's own probes, is dropped and handled as any lost link: its
+        transfers end and its NIXL peer is let go. A host that vanishes (power lost, a
+        cable cut) closes no connection; only this notices. Longer than the network
+        cuts a link should survive; at least three heartbeats.
     write_retries: how many times a WRITE that failed (its route went in a short
         network cut) is posted again, a heartbeat apart, while the consumer's claim
         holds the blocks; only then does the transfer fail as write_failed. Rewriting
@@ -54,6 +59,7 @@ class ProtocolConfig:
     tombstone_s: float = 300.0
     orphan_grace_s: float = 10.0
     silence_s: float = 10.0
+    link_timeout_s: float = 30.0
     write_retries: int = 3
 
     def __post_init__(self) -> None:
@@ -72,6 +78,11 @@ class ProtocolConfig:
             raise ConfigError(
                 f"heartbeat_s ({self.heartbeat_s}) must be at most half of lease_s, "
                 "registration_ttl_s and watchdog_s, or a live transfer could expire"
+            )
+        if self.heartbeat_s * 3 > self.link_timeout_s:
+            raise ConfigError(
+                f"link_timeout_s ({self.link_timeout_s}) must be at least three heartbeats "
+                f"({3 * self.heartbeat_s}), or a moment's congestion drops a live link"
             )
         if self.heartbeat_s * 3 > self.silence_s:
             raise ConfigError(

@@ -3,8 +3,9 @@
 Control messages travel here rather than as NIXL notifications because a socket can
 wake a blocked thread the instant a message arrives, while a notification is only
 seen when someone polls NIXL; and a peer that dies closes its sockets at once, so
-death is noticed without a timeout. Bytes moved by NIXL still carry their own
-notification, which says they have landed.
+death is noticed without a timeout (a host that vanishes closes nothing: the kernel
+drops a link its peer stopped acknowledging, `drop_when_silent`). Bytes moved by
+NIXL still carry their own notification, which says they have landed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Connection:
         on_close: Callable[[Connection, str], None],
         label: str = "",
         max_frame: int = MAX_FRAME,
+        dead_after_s: float | None = None,
     ) -> None:
         self.loop = loop
         self.max_frame = max_frame  # the largest frame the peer may send now
@@ -50,6 +52,8 @@ class Connection:
         self._outbuf = bytearray()
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if dead_after_s is not None:
+            drop_when_silent(sock, dead_after_s)
         loop.add_reader(sock, self._readable)
 
     def send(self, frame: bytes) -> None:
@@ -145,6 +149,29 @@ class Listener:
     def close(self) -> None:
         self.loop.remove_reader(self.sock)
         self.sock.close()
+
+
+def drop_when_silent(sock: socket.socket, seconds: float) -> None:
+    """Have the kernel drop `sock` once its peer has acknowledged nothing for about
+    `seconds`, idle or not: a host that vanished (power lost, a cable cut) sends no FIN,
+    and without this the connection stays established for as long as TCP retries
+    (a quarter of an hour with data queued, for ever when idle). The loss then
+    surfaces as a failed receive, as any closed link's does.
+
+    Keepalive probes an idle connection a third of the way in; TCP_USER_TIMEOUT bounds
+    both unacknowledged data and the probes. Where the platform lacks an option, the
+    connection goes without it."""
+    options = [
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", max(1, int(seconds / 3))),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", max(1, int(seconds / 6))),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", 6),
+        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", max(1, int(seconds * 1000))),
+    ]
+    for level, name, value in options:
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(level, option, value)
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:

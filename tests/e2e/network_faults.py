@@ -190,10 +190,13 @@ def links_of(host: netns.Host) -> list[str]:
 
 
 def vanish(host: netns.Host, survivor: netns.Host) -> None:
-    """Every process in `host`'s namespace killed, then its links deleted (their other
-    ends with them, and the root namespace's route to it). A veth link's two ends go
-    together, so `survivor` keeps its address on its link to the root namespace, as
-    a machine whose peer vanished keeps its own."""
+    """`host` goes as a machine whose power is cut does: its links deleted first (their
+    other ends with them, and the root namespace's route to it), so that no FIN or RST
+    from its sockets reaches anyone, then every process in its namespace killed. A
+    veth link's two ends go together, so `survivor` keeps its address on its link to
+    the root namespace, as a machine whose peer vanished keeps its own."""
+    for device in links_of(host):
+        _run("ip", "-n", host.namespace, "link", "del", device)
     pids = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True,
                           text=True).stdout.split()  # fmt: skip
     if pids:
@@ -203,8 +206,6 @@ def vanish(host: netns.Host, survivor: netns.Host) -> None:
                          text=True).stdout.split():  # fmt: skip
         assert time.monotonic() < deadline, "the namespace's processes outlived SIGKILL"
         time.sleep(0.2)
-    for device in links_of(host):
-        _run("ip", "-n", host.namespace, "link", "del", device)
     for device in links_of(survivor):
         _run("ip", "-n", survivor.namespace, "addr", "add", f"{survivor.address}/32", "dev", device)
 

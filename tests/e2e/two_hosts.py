@@ -40,16 +40,19 @@ class Shape:
     # Both sides' lease_s and registration_ttl_s; None: the defaults (60 s). The fault
     # tests shorten them, so that what a fault strands is let go within a test.
     lease_s: float | None = None
+    link_timeout_s: float | None = None  # both sides'; None: the default (30 s)
 
     @property
     def timers(self) -> dict[str, float]:
-        if self.lease_s is None:
-            return {}
-        return {"lease_s": self.lease_s, "registration_ttl_s": self.lease_s}
+        timers = {} if self.lease_s is None else {"lease_s": self.lease_s,
+                                                  "registration_ttl_s": self.lease_s}  # fmt: skip
+        if self.link_timeout_s is not None:
+            timers["link_timeout_s"] = self.link_timeout_s
+        return timers
 
     @property
     def tag(self) -> str:
-        return "" if self.lease_s is None else f"_lease{self.lease_s:g}"
+        return "".join(f"_{name[:4]}{value:g}" for name, value in self.timers.items())
 
 
 class TwoHostPair:

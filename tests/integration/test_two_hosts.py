@@ -6,6 +6,7 @@ advertises by default, a transfer across, and a loopback address refused.
 from __future__ import annotations
 
 import functools
+import subprocess
 import time
 
 import pytest
@@ -112,3 +113,47 @@ def test_a_host_forced_to_advertise_loopback_is_refused_with_the_reason(two_host
     assert f"{hello['address']}, a loopback address" in outcome["detail"]
     assert "$VLLM_HOST_IP" in outcome["detail"]
     assert time.monotonic() - started < 5, "refused at once, not after a dial's timeout"
+
+
+LINK_TIMEOUT_S = 5.0
+
+
+def _connections(host, to: str) -> list[str]:
+    """TCP connections established in `host`'s namespace with `to` ("address:port")
+    at the far end."""
+    shown = subprocess.run(
+        ["ip", "netns", "exec", host.namespace, "ss", "-H", "-t", "-n", "state", "established",
+         "dst", to],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return shown.stdout.splitlines()
+
+
+def test_a_vanished_producer_host_is_let_go_of_after_link_timeout_s(two_hosts, spawn):
+    """The producer's host vanishes: its end of the link goes down, then its process is
+    killed, so no FIN or RST reaches the consumer (a power cut, a cable pulled). The
+    consumer's kernel drops the idle side channel once the producer has acknowledged
+    nothing for link_timeout_s, and the consumer lets go of the link. Without the
+    timeout the link stays established for ever. (UCX's own connections to the host
+    are UCX's to end: docs/troubleshooting.md.)"""
+    timers = {"link_timeout_s": LINK_TIMEOUT_S}
+    producer = spawn(start=functools.partial(two_hosts.popen, two_hosts.a), **TCP_ONLY)
+    consumer = spawn(start=functools.partial(two_hosts.popen, two_hosts.b), **TCP_ONLY)
+    hello = _init(producer, "producer", "prefill", host=None, **timers)
+    _init(consumer, "consumer", "decode", host=None, **timers)
+    consumer.call("expect", tid="t1", producer=hello["address"], blocks=BLOCKS,
+                  network=hello["network"])  # fmt: skip
+    producer.call("kv_ready", tid="t1", blocks=BLOCKS, value=3)
+    assert _one(consumer)["kind"] == "delivered"
+    vanished = hello["address"]  # its side channel
+    assert _connections(two_hosts.b, vanished), "no link to the producer to lose"
+    subprocess.run(["ip", "-n", two_hosts.a.namespace, "link", "set", two_hosts.a.device,
+                    "down"], check=True)  # fmt: skip
+    down_at = time.monotonic()
+    producer.kill()
+    # Still there once the producer is gone: only the timeout can end it.
+    assert _connections(two_hosts.b, vanished), "the link went with the process"
+    deadline = down_at + LINK_TIMEOUT_S + 10
+    while (kept := _connections(two_hosts.b, vanished)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not kept, f"the consumer kept its side channel to the vanished host: {kept}"

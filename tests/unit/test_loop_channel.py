@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import pytest
 
-from kvpush.transport.channel import MAX_FRAME, Connection, Listener, connect
+from kvpush.transport.channel import MAX_FRAME, Connection, Listener, connect, drop_when_silent
 from kvpush.transport.loop import Loop
 
 
@@ -187,3 +188,19 @@ def test_a_call_handed_to_a_stopped_loop_is_refused_not_raised():
     assert lp.call_soon(lambda: None) is False
     lp._stopping = False  # the race: the look saw a live loop, its pipe closed after
     assert lp.call_soon(lambda: None) is True  # no OSError from the closed pipe
+
+
+def test_a_link_that_may_outlive_its_peers_host_asks_the_kernel_to_drop_it():
+    """A vanished host sends no FIN: only the kernel's keepalive probes and its bound on
+    unacknowledged data notice. (That the link then goes: tests/integration/
+    test_two_hosts.py, across a link taken down.)"""
+    sock = socket.socket()
+    try:
+        drop_when_silent(sock, 16.0)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 16000
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        every = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        assert 0 < idle < 16 and 0 < every < 16, (idle, every)  # probes within the bound
+    finally:
+        sock.close()

@@ -412,6 +412,12 @@ def test_silence_shorter_than_three_heartbeats_is_a_config_error():
         ProtocolConfig(heartbeat_s=4, watchdog_s=30, silence_s=10)
 
 
+def test_a_link_timeout_shorter_than_three_heartbeats_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"link_timeout_s \(5\) must be at least three"):
+        ProtocolConfig(heartbeat_s=2, link_timeout_s=5)
+    assert ProtocolConfig(heartbeat_s=2, link_timeout_s=6).link_timeout_s == 6
+
+
 def test_peer_death_before_the_kv_releases_it_when_it_comes():
     sim = Sim()
     sim.expect("t1")
