@@ -118,24 +118,25 @@ def test_a_host_forced_to_advertise_loopback_is_refused_with_the_reason(two_host
 LINK_TIMEOUT_S = 5.0
 
 
-def _connections(host, to: str) -> list[str]:
-    """TCP connections established in `host`'s namespace with `to` ("address:port")
-    at the far end."""
+def _side_channel(host, end: str, address: str) -> list[str]:
+    """TCP connections established in `host`'s namespace whose `end` ("src": ours,
+    "dst": the far one) is `address` ("address:port", a producer's side channel)."""
     shown = subprocess.run(
         ["ip", "netns", "exec", host.namespace, "ss", "-H", "-t", "-n", "state", "established",
-         "dst", to],
+         end, address],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return shown.stdout.splitlines()
 
 
-def test_a_vanished_producer_host_is_let_go_of_after_link_timeout_s(two_hosts, spawn):
-    """The producer's host vanishes: its end of the link goes down, then its process is
-    killed, so no FIN or RST reaches the consumer (a power cut, a cable pulled). The
-    consumer's kernel drops the idle side channel once the producer has acknowledged
-    nothing for link_timeout_s, and the consumer lets go of the link. Without the
-    timeout the link stays established for ever. (UCX's own connections to the host
-    are UCX's to end: docs/troubleshooting.md.)"""
+@pytest.mark.parametrize("vanishing", ["producer", "consumer"])
+def test_a_vanished_host_is_let_go_of_after_link_timeout_s(two_hosts, spawn, vanishing):
+    """One node's host vanishes: its end of the link goes down, then its process is
+    killed, so no FIN or RST reaches the other (a power cut, a cable pulled). The
+    other's kernel drops the idle side channel once the vanished host has acknowledged
+    nothing for link_timeout_s, and its node lets go of the link. Without the timeout
+    the link stays established for ever. (UCX's own connections to the host are UCX's
+    to end: docs/troubleshooting.md.)"""
     timers = {"link_timeout_s": LINK_TIMEOUT_S}
     producer = spawn(start=functools.partial(two_hosts.popen, two_hosts.a), **TCP_ONLY)
     consumer = spawn(start=functools.partial(two_hosts.popen, two_hosts.b), **TCP_ONLY)
@@ -145,15 +146,21 @@ def test_a_vanished_producer_host_is_let_go_of_after_link_timeout_s(two_hosts, s
                   network=hello["network"])  # fmt: skip
     producer.call("kv_ready", tid="t1", blocks=BLOCKS, value=3)
     assert _one(consumer)["kind"] == "delivered"
-    vanished = hello["address"]  # its side channel
-    assert _connections(two_hosts.b, vanished), "no link to the producer to lose"
-    subprocess.run(["ip", "-n", two_hosts.a.namespace, "link", "set", two_hosts.a.device,
-                    "down"], check=True)  # fmt: skip
+    if vanishing == "producer":
+        gone, survivor, peer, end = two_hosts.a, two_hosts.b, producer, "dst"
+    else:
+        gone, survivor, peer, end = two_hosts.b, two_hosts.a, consumer, "src"
+
+    def kept() -> list[str]:
+        return _side_channel(survivor, end, hello["address"])
+
+    assert kept(), "no link to lose"
+    subprocess.run(["ip", "-n", gone.namespace, "link", "set", gone.device, "down"],
+                   check=True)  # fmt: skip
     down_at = time.monotonic()
-    producer.kill()
-    # Still there once the producer is gone: only the timeout can end it.
-    assert _connections(two_hosts.b, vanished), "the link went with the process"
+    peer.kill()
+    assert kept(), "the link went with the process: only the timeout may end it"
     deadline = down_at + LINK_TIMEOUT_S + 10
-    while (kept := _connections(two_hosts.b, vanished)) and time.monotonic() < deadline:
+    while (left := kept()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not kept, f"the consumer kept its side channel to the vanished host: {kept}"
+    assert not left, f"the {vanishing}'s peer kept its side channel to the vanished host"
