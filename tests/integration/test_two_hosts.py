@@ -1,6 +1,7 @@
 """Two kvpush nodes on two simulated hosts (network namespaces joined by a veth link,
 tests/netns.py), with UCX held to TCP so the KV crosses the link: the address each
-advertises by default, a transfer across, and a loopback address refused.
+advertises by default, a transfer across, a loopback address refused, and a host that
+vanished let go of.
 """
 
 from __future__ import annotations
