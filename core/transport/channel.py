@@ -155,7 +155,8 @@ def drop_when_silent(sock: socket.socket, seconds: float) -> None:
     """Have the kernel drop `sock` once its peer has acknowledged nothing for about
     `seconds`, idle or not: a host that vanished (power lost, a cable cut) sends no FIN,
     and without this the connection stays established for as long as TCP retries
-    (a quarter of an hour with data queued, for ever when idle). The loss then
+    (with Linux's default tcp_retries2, a quarter of an hour with data queued; for
+    ever when idle). The loss then
     surfaces as a failed receive, as any closed link's does.
 
     Keepalive probes an idle connection a third of the way in; TCP_USER_TIMEOUT bounds
