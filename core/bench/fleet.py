@@ -171,11 +171,18 @@ class FleetDeployment(Deployment):
         # instances for whole requests through --aggregate-on instead.
         decodes = self.deciders(config) if config == "rr-aggregated" else self.names("decode")
         url = self.cluster.start_router(
-            self.names("prefill"), decodes, mode="push",
-            flags=ROUTER_FLAGS[config] + self.settings.router_args,
+            [self._spec(n) for n in self.names("prefill")], [self._spec(n) for n in decodes],
+            mode="push", flags=ROUTER_FLAGS[config] + self.settings.router_args,
         )  # fmt: skip
         self.target = load.Target(url)
         return self.target
+
+    def _spec(self, name: str) -> str:
+        """The router's spec of a server, naming the cores it computes on: the
+        instances of a role share theirs (every placement binds their compute there)."""
+        s = self.settings
+        cores = s.prefill_cpus if name.startswith("prefill") else s.decode_cpus
+        return f"{self.cluster.router_spec(name)},device=cpus-{cores.replace(',', '.')}"
 
     def instances(self) -> list[dict[str, object]]:
         """The router's view of its instances at the cell's end (GET /instances): what it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ class Instance:
     up: bool = True  # as its last /health probe found it (none yet: presumed up)
     draining: bool = False  # takes no new requests; forgotten once none is in flight
     kv_events: str | None = None  # the ZMQ endpoint its vLLM publishes KV-cache events on
+    # What it computes on, where instances share one (a GPU, a Neuron core, CPU
+    # cores): their backlogs are one backlog (`backlog`). None: its own.
+    device: str | None = None
     # Its legs still running after the router answered the client (a prefill leg
     # finishing on its own): a drain waits for them too.
     pending: set[Any] = field(default_factory=set, repr=False)
@@ -69,7 +73,8 @@ class Instance:
     @classmethod
     def parse(cls, spec: str, role: str) -> Instance:
         """ "http://host:8100" or "http://host:8100,identity=7900" (its identity
-        endpoint's port, on the same host; `bootstrap=` is the same option)."""
+        endpoint's port, on the same host; `bootstrap=` is the same option), and
+        optionally kv_events=tcp://HOST:PORT and device=LABEL."""
         url, *options = (part.strip() for part in spec.split(","))
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -80,16 +85,19 @@ class Instance:
             port = 0
         if port == 0:
             raise ConfigError(f"{role} instance {spec!r}: its port must be an integer in 1-65535")
-        identity_url = kv_events = None
+        identity_url = kv_events = device = None
         for option in options:
             key, _, value = option.partition("=")
             if key.strip() == "kv_events":
                 kv_events = _zmq_endpoint(value.strip(), spec)
                 continue
+            if key.strip() == "device":
+                device = _device_label(value.strip(), spec)
+                continue
             identity_port = _identity_port(option, spec)
             identity_url = f"http://{bracketed(parts.hostname)}:{identity_port}/query"
         instance = cls(_api_base(url.rstrip("/"), role), role, identity_url)
-        instance.kv_events = kv_events
+        instance.kv_events, instance.device = kv_events, device
         return instance
 
 
@@ -102,8 +110,9 @@ def _identity_port(option: str, spec: str) -> int:
     if key.strip() not in IDENTITY_OPTIONS:
         raise ConfigError(
             f"unknown option {option!r} in {spec!r}; the options are identity=PORT "
-            "(the instance's identity_port; bootstrap=PORT is the same) and "
-            "kv_events=tcp://HOST:PORT (where its vLLM publishes KV-cache events)"
+            "(the instance's identity_port; bootstrap=PORT is the same), "
+            "kv_events=tcp://HOST:PORT (where its vLLM publishes KV-cache events) and "
+            "device=LABEL (instances with one label compute on one device)"
         )
     try:
         port = int(value)
@@ -122,6 +131,24 @@ def _zmq_endpoint(value: str, spec: str) -> str:
             "(where the instance's --kv-events-config publishes)"
         )
     return value
+
+
+def _device_label(value: str, spec: str) -> str:
+    if not re.fullmatch(r"[\w.:/@-]{1,64}", value):
+        raise ConfigError(
+            f"device={value!r} in {spec!r}: a label of 1-64 letters, digits and . : / @ - _ "
+            "(one name for the GPU, Neuron core or CPU cores the instances share)"
+        )
+    return value
+
+
+def on_device(instance: Instance, fleet: list[Instance]) -> list[Instance]:
+    """The instances computing where `instance` does: itself, and where it names a
+    device, every instance naming that device. Their engines take turns on it, so a
+    prompt sent to any of them waits for the prompts all of them are computing."""
+    if instance.device is None:
+        return [instance]
+    return [i for i in fleet if i.device == instance.device]
 
 
 def _api_base(url: str, role: str) -> str:

@@ -1,7 +1,8 @@
 """The router's instances at runtime: added, drained, and read from a file.
 
 - `POST /instances` with `{"role": "prefill"|"decode", "url": "http://host:port",
-  "identity": PORT, "kv_events": "tcp://host:port"}` (the last two optional) adds
+  "identity": PORT, "kv_events": "tcp://host:port", "device": LABEL}` (the last
+  three optional) adds
   an instance. It is probed and its identity asked at once, and the next request
   may go there (a failed probe keeps it out of the pick for two health intervals,
   as a failed periodic probe would).
@@ -185,7 +186,8 @@ class Membership:
             {"url": i.url, "role": i.role, "outstanding": i.outstanding,
              "computing_tokens": i.computing, "up": i.up,
              "seconds_per_token": i.pace.seconds_per_token(time.monotonic()),
-             "state": "draining" if i.draining else "open", "kv_events": i.kv_events}
+             "state": "draining" if i.draining else "open", "kv_events": i.kv_events,
+             "device": i.device}
             for i in self.everyone()
         ])  # fmt: skip
 
@@ -197,9 +199,8 @@ class Membership:
             role, url = body.get("role"), body.get("url")
             if role not in ("prefill", "decode") or not isinstance(url, str):
                 raise ConfigError('give {"role": "prefill" or "decode", "url": "http://..."}')
-            spec = url + "".join(
-                f",{key}={body[key]}" for key in ("identity", "kv_events") if body.get(key)
-            )
+            options = ("identity", "kv_events", "device")
+            spec = url + "".join(f",{key}={body[key]}" for key in options if body.get(key))
             instance = Instance.parse(spec, role)
         except (ValueError, ConfigError) as exc:
             return _refused(400, f"cannot add an instance: {exc}")

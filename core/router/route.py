@@ -25,7 +25,7 @@ import aiohttp
 
 from kvpush.metrics import Metrics
 from kvpush.router.decide import Decision, decide
-from kvpush.router.instances import Instance, Pool, Pools
+from kvpush.router.instances import Instance, Pool, Pools, on_device
 from kvpush.router.pace import factors
 from kvpush.router.placement import Candidate, place_alone, place_pair
 from kvpush.router.policy import RoutingPolicy
@@ -173,7 +173,8 @@ class Planner:
             decode_instance if self.whole is self.decode else self.whole.pick(avoid=avoid)
         )
         whole = self._candidate(whole_instance, tokens, chains)
-        decision = self._decide(tokens, whole, prefill_instance.computing)
+        prefill_backlog = sum(i.computing for i in on_device(prefill_instance, self._fleet()))
+        decision = self._decide(tokens, whole, prefill_backlog)
         if not decision.disaggregate:
             return _route(decision, tokens, whole)
         decode = whole
@@ -230,7 +231,8 @@ class Planner:
         if tokens is not None:
             block_size = _block_size(instance)
             cached = self.index.cached_tokens(instance.url, tokens, block_size, chains)
-        return Candidate(instance, cached, instance.outstanding, instance.computing, pace)
+        computing = sum(i.computing for i in on_device(instance, self._fleet()))
+        return Candidate(instance, cached, instance.outstanding, computing, pace)
 
     def _scored(
         self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]],
@@ -238,11 +240,14 @@ class Planner:
     ) -> list[Candidate]:  # fmt: skip
         return [self._candidate(i, tokens, chains, paces.get(i.url, 1.0)) for i in instances]
 
+    def _fleet(self) -> list[Instance]:
+        return self.prefill.instances + self.decode.instances
+
     def _paces(self) -> dict[str, float]:
         """Each instance's pace over the whole fleet's (pace.py); none without --pace."""
         if not self.policy.pace:
             return {}
-        fleet = self.prefill.instances + self.decode.instances
+        fleet = self._fleet()
         paced = factors((i.pace for i in fleet), time.monotonic())
         return dict(zip((i.url for i in fleet), paced, strict=True))
 

@@ -164,4 +164,10 @@ def test_a_fleet_deployment_makes_its_instances_and_lists_who_runs_decodes(tmp_p
         deployment.route(config)
     prefills, decodes = ["prefill0", "prefill1"], ["decode0", "decode1"]
     assert fleet.CONFIGS == ("rr-aggregated", "disagg-all", "decide")
-    assert routed == [(prefills, list(servers)), (prefills, decodes), (prefills, decodes)]
+    # Each spec names the cores the instance computes on: its role's.
+    spec = {n: f"{deployment.cluster.router_spec(n)},device=cpus-{servers[n].spec.core}"
+            for n in servers}  # fmt: skip
+    assert spec["prefill1"].endswith(",device=cpus-0") and spec["decode0"].endswith("cpus-1")
+    specs = lambda names: [spec[n] for n in names]  # noqa: E731
+    assert routed == [(specs(prefills), specs(servers)), (specs(prefills), specs(decodes)),
+                      (specs(prefills), specs(decodes))]  # fmt: skip

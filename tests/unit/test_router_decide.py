@@ -337,6 +337,33 @@ def test_a_burst_of_long_prompts_does_not_pile_onto_the_prefill_instance():
     assert metrics.counter("router_decisions", path="decode_alone", reason="prefill_busier") == 2
 
 
+def test_instances_on_one_device_count_each_others_compute():
+    """Both decodes compute on one device. One of them computes a long prompt; a
+    short prompt then waits behind it on the idle other just as much, so it runs on
+    the prefill instance, whose device is free (it decodes one request). Without the
+    labels the idle decode looks free and takes it."""
+    for device, where in ((True, "http://p:1"), (False, "http://d:2")):
+        planner, _ = _fleet(("prefill", "decode"))
+        p, d1, d2 = planner.prefill.instances + planner.decode.instances
+        if device:
+            p.device, d1.device, d2.device = "core0", "core1", "core1"
+        p.outstanding = d1.outstanding = 1
+        Computing(d1, 2000)
+        assert _whole_where(planner, list(range(300))).url == where
+    # A prefill instance whose device-mate computes a long prompt is as far behind:
+    # the next long prompt runs on the idle decode instance rather than wait there.
+    for device, reason in ((False, "long_uncached"), (True, "prefill_busier")):
+        planner, _ = _fleet(("decode",), rule=DecisionRule("auto", alone_when_idle=False))
+        p, d1, d2 = planner.prefill.instances + planner.decode.instances
+        if device:
+            p.device = d1.device = "shared"
+        d1.outstanding = d2.outstanding = 1
+        Computing(d1, 2000)
+        route = planner.plan(LONG_PROMPT, None, lambda p, d: True)
+        assert route.decision.reason == reason
+        assert route.computer.url == ("http://d:2" if device else "http://p:1")
+
+
 def test_load_placement_spreads_whole_requests_over_every_instance_and_retries_across_roles():
     planner, _ = _fleet(("prefill", "decode"), placement="load", rule=DecisionRule("never"))
     used = {_whole_where(planner, [1, 2, 3]).url for _ in range(3)}

@@ -100,9 +100,10 @@ def test_an_added_instance_takes_the_next_requests_and_a_drained_one_ends_with_n
         router, runner, url = await _serve([prefill], [first])
         async with aiohttp.ClientSession() as http:
             async with http.post(
-                url + "/instances", json={"role": "decode", "url": added.url}
+                url + "/instances", json={"role": "decode", "url": added.url, "device": "gpu1"}
             ) as r:
                 assert r.status == 201 and (await r.json())["healthy"]
+            assert router.decode.find(added.url).device == "gpu1"
             # Under load: requests in flight on `first` while it drains.
             load = [asyncio.ensure_future(_post(http, url, "p")) for _ in range(6)]
             await asyncio.sleep(0.2)

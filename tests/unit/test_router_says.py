@@ -235,6 +235,9 @@ def test_an_instance_going_down_and_back_is_said_and_counted_once_each(caplog):
         ("http://h:8100,identity=0", "the port must be an integer in 1-65535"),
         ("http://h:8100,identity=x", "the port must be an integer in 1-65535"),
         ("http://h:8100,port=1", "the options are identity=PORT"),
+        ("http://h:8100,port=1", "device=LABEL"),
+        ("http://h:8100,device=", "device='' in 'http://h:8100,device=': a label of 1-64"),
+        ("http://h:8100,device=gpu 0", "device='gpu 0'"),
     ],
 )  # fmt: skip
 def test_ports_out_of_range_are_refused_naming_the_input(spec, said):
@@ -283,6 +286,11 @@ def test_a_server_listed_twice_is_refused_as_it_would_count_half_its_load(
 def test_identity_and_its_alias_bootstrap_name_the_identity_port(option):
     instance = Instance.parse(f"http://10.0.0.5:8100,{option}=7900", "prefill")
     assert instance.identity_url == "http://10.0.0.5:7900/query"
+
+
+def test_a_device_label_says_which_instances_share_compute():
+    assert Instance.parse("http://h:8100,device=gpu0,identity=7900", "decode").device == "gpu0"
+    assert Instance.parse("http://h:8100", "decode").device is None
 
 
 def test_an_ipv6_host_is_bracketed_in_the_identity_url():
