@@ -215,17 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill",
         action="append",
         required=True,
-        metavar="URL[,identity=PORT]",
+        metavar="URL[,identity=PORT][,kv_events=ENDPOINT][,device=LABEL]",
         help="a prefill vLLM server; identity= is its kvpush identity_port, not its "
-        "bootstrap_port (bootstrap= is accepted too) (repeatable)",
+        "bootstrap_port (bootstrap= is accepted too); kv_events= where its vLLM publishes "
+        "KV-cache events; device= names what it computes on, where instances share it "
+        "(docs/router.md) (repeatable)",
     )
     router.add_argument(
         "--decode",
         action="append",
         required=True,
-        metavar="URL[,identity=PORT]",
+        metavar="URL[,identity=PORT][,kv_events=ENDPOINT][,device=LABEL]",
         help="a decode vLLM server; identity= is its kvpush identity_port, so the router "
-        "can refuse a pair that cannot exchange KV before sending it requests (repeatable)",
+        "can refuse a pair that cannot exchange KV before sending it requests; the other "
+        "options as --prefill's (repeatable)",
     )
     router.add_argument("--port", type=a.port, default=8000, help="port to listen on")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on")

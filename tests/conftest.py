@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import PurePosixPath
 
@@ -80,3 +81,25 @@ def two_hosts() -> Iterator[netns.TwoHosts]:
         yield hosts.start()
     finally:
         hosts.close()
+
+
+# Seconds each module took, by the worker that ran it: E2E_MINUTES is kept from these.
+MODULE_SECONDS: dict[tuple[str, str], float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    gateway = getattr(getattr(report, "node", None), "gateway", None)  # xdist's controller
+    worker = gateway.id if gateway is not None else os.environ.get("PYTEST_XDIST_WORKER", "-")
+    MODULE_SECONDS[worker, report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not MODULE_SECONDS or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.section("slowest modules, and each worker's total")
+    slowest = sorted(MODULE_SECONDS.items(), key=lambda item: -item[1])[:12]
+    for (worker, module), seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s {worker} {module}")
+    for worker in sorted({w for w, _ in MODULE_SECONDS}):
+        total = sum(s for (w, _), s in MODULE_SECONDS.items() if w == worker)
+        terminalreporter.write_line(f"{total:8.1f}s {worker} in all")

@@ -8,8 +8,8 @@ A pair's cost is counted in prompt tokens:
   decode loads only what it lacks), weighed `transfer`;
 - the compute already queued on each: the prompt tokens its requests still
   compute before their first token (the router counts them, as Dynamo's router
-  counts active prefill blocks), weighed `compute`, since a new prompt waits for
-  them;
+  counts active prefill blocks), and those of the instances sharing its device
+  (instances.on_device), weighed `compute`, since a new prompt waits for them;
 - the queue on each: its requests in flight, each as `queue_tokens` tokens.
 With `--pace`, what an instance computes and queues is weighed by its pace
 (pace.py): 2 where it has been computing tokens twice as slowly as the fleet's

@@ -159,7 +159,8 @@ def test_an_added_decode_is_used_and_a_drained_one_finishes_its_load(
                                   flags=("--health-interval", "1"))  # fmt: skip
     try:
         url, _, identity = decode2.partition(",")
-        added = {"role": "decode", "url": url, "identity": identity.split("=")[1].split(",")[0]}
+        added = {"role": "decode", "url": url, "identity": identity.split("=")[1].split(",")[0],
+                 "device": "core-1"}  # fmt: skip
         response = client.http.post(router + "/instances", json=added)
         assert response.status_code == 201, response.text
 
@@ -173,8 +174,8 @@ def test_an_added_decode_is_used_and_a_drained_one_finishes_its_load(
             got = [a.result() for a in answers]
         assert drained.status_code == 200 and drained.json()["state"] == "forgotten"
         assert got == expected  # nothing failed
-        listed = [i["url"] for i in client.http.get(router + "/instances").json()]
-        assert gone not in listed and url in listed
+        listed = {i["url"]: i for i in client.http.get(router + "/instances").json()}
+        assert gone not in listed and listed[url]["device"] == "core-1"
         used = client.metric(router, "kvpush_instance_outcomes_total", f'instance="{url}"')
         assert used > 0, "the added decode took no request"
         before = client.metric(router, "kvpush_instance_outcomes_total", f'instance="{gone}"')
