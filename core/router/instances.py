@@ -39,7 +39,7 @@ class Instance:
     draining: bool = False  # takes no new requests; forgotten once none is in flight
     kv_events: str | None = None  # the ZMQ endpoint its vLLM publishes KV-cache events on
     # What it computes on, where instances share one (a GPU, a Neuron core, CPU
-    # cores): their backlogs are one backlog (`backlog`). None: its own.
+    # cores): placement counts their prompt compute as one (`on_device`). None: its own.
     device: str | None = None
     # Its legs still running after the router answered the client (a prefill leg
     # finishing on its own): a drain waits for them too.

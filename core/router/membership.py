@@ -2,10 +2,9 @@
 
 - `POST /instances` with `{"role": "prefill"|"decode", "url": "http://host:port",
   "identity": PORT, "kv_events": "tcp://host:port", "device": LABEL}` (the last
-  three optional) adds
-  an instance. It is probed and its identity asked at once, and the next request
-  may go there (a failed probe keeps it out of the pick for two health intervals,
-  as a failed periodic probe would).
+  three optional) adds an instance. It is probed and its identity asked at once,
+  and the next request may go there (a failed probe keeps it out of the pick for
+  two health intervals, as a failed periodic probe would).
 - `DELETE /instances` with `{"url": ...}` (or `DELETE /instances/<url, quoted>`)
   drains one: it takes no new request; once none is in flight at the router
   (legs, and prefill legs still finishing after their decode answered) it is
