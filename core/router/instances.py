@@ -137,7 +137,7 @@ def _device_label(value: str, spec: str) -> str:
     if not re.fullmatch(r"[\w.:/@-]{1,64}", value):
         raise ConfigError(
             f"device={value!r} in {spec!r}: a label of 1-64 letters, digits and . : / @ - _ "
-            "(one name for the GPU, Neuron core or CPU cores the instances share)"
+            "(one name for the accelerator or the CPU cores the instances share)"
         )
     return value
 
