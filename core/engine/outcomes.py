@@ -104,6 +104,14 @@ class Outcomes:
         OUTCOME_TRANSITIONS.move(record, to)
         return record.request_id
 
+    def in_flight(self) -> dict[str, str]:
+        """The transfers still awaited, by id: the request each serves."""
+        return {tid: record.request_id for tid, record in self._by_transfer.items()}
+
+    def loading(self) -> list[str]:
+        """The requests whose claimed load has not landed or failed yet."""
+        return [r.request_id for r in self._by_transfer.values() if r.state == OC.RECEIVING]
+
     def end_all(self) -> list[str]:
         """Every transfer ended at once (the KV cache's memory goes away): claims fail,
         and the producer holds no blocks any more. The requests whose load failed."""

@@ -243,6 +243,7 @@ class WorkerSide:
             return
         for outcome in self.node.take_results():
             self._account(outcome)
+        self._end_transfers(self.node)
         node, self.node = self.node, None
         self._port = node.listener.port if node.listener is not None else 0
         node.close()
@@ -253,6 +254,31 @@ class WorkerSide:
         for request_id in self._outcomes.end_all():
             self._noted.failed.setdefault(request_id, KV_CACHE_RELEASED)
         log.info("kvpush: rank %d let go of the KV cache's memory at vLLM's word", self.rank)
+
+    def _end_transfers(self, node: Node) -> None:
+        """Abort every transfer in flight and wait until each has ended, as the
+        protocol ends one: once no peer can write into or read from its blocks (a
+        producer's CancelAck, a posted WRITE settled, or the silence rule's bound).
+
+        Closing the side channel alone is not enough: a producer that has not read
+        our close yet may post a WRITE into a claim, and some transports (UCX through
+        shared memory or TCP) still land it after NIXL deregistered the memory."""
+        for request_id in self._outcomes.loading():
+            self._noted.failed.setdefault(request_id, KV_CACHE_RELEASED)
+        for transfer_id in self._outcomes.in_flight():
+            node.abort(transfer_id)
+        timers = self.config.protocol
+        deadline = time.monotonic() + timers.silence_s + timers.write_grace_s
+        while self._outcomes.in_flight() and time.monotonic() < deadline:
+            for outcome in node.wait_results(0.1):
+                self._account(outcome)
+        left = self._outcomes.in_flight()
+        if left:
+            log.warning(
+                "kvpush: rank %d lets go of the KV cache's memory with %d transfer(s) "
+                "not ended after %.0f s (a peer may still touch it): %s",
+                self.rank, len(left), timers.silence_s + timers.write_grace_s, sorted(left),
+            )  # fmt: skip
 
     def restore_kv_caches(self) -> None:
         """vLLM backed the KV cache with memory again (at the same addresses, or new ones

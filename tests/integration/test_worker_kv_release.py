@@ -68,6 +68,12 @@ def _block(worker: WorkerSide, block: int) -> list[float]:
     return [float(cache[block].mean()) for cache in worker._kv_caches.values()]
 
 
+def _claims(producer: WorkerSide) -> list[str]:
+    """The transfers the producer holds a claim for, read on its loop."""
+    node = producer.node
+    return node.loop.call(lambda: [c.transfer_id for c in node.producer.books.claims()])
+
+
 def _expect(request_id: str, tid: str, prefill: WorkerSide, blocks: tuple, epoch: str):
     address = prefill.handshake().address
     return Expect(request_id, tid, (address,), blocks, 0, "p-engine", (epoch,))
@@ -142,7 +148,12 @@ def test_a_decode_that_lets_go_of_its_memory_fails_its_claims_and_nothing_is_wri
     _step(prefill, pending=[Pending("t1")])
     _step(decode, expects=[_expect("d1", "t1", prefill, (2, 3), epoch)])
     time.sleep(0.5)  # the claim reached the producer
+    assert _claims(prefill) == ["t1"]
+    # Prefill's loop is busy a while, so it reads nothing from its sockets: it learns
+    # of the release only from what decode waits for, not from a close it reads later.
+    prefill.node.loop.call_soon(time.sleep, 1.0)
     decode.unregister_kv_caches()
+    assert _claims(prefill) == []  # it returned once the producer let the claim go
     _, loaded, failed = _results(decode, set(), "d1")
     assert loaded == failed == {"d1"}
     assert decode.worker_meta().failed == {"d1": KV_CACHE_RELEASED}
