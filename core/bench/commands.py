@@ -346,7 +346,11 @@ def _soak(benches: Any) -> None:
         default=120.0,
         help="seconds between faults (0: none)",
     )
-    p.add_argument("--max-faults", type=a.optional_count, help="inject at most this many")
+    p.add_argument(
+        "--max-faults",
+        type=a.optional_count,
+        help="inject this many; the load goes on past --requests until the last is over",
+    )
     p.add_argument(
         "--recovery",
         type=a.optional_count,

@@ -67,6 +67,9 @@ LEVEL_WINDOW_S = 30.0
 SAMPLE_S = 10.0
 WARM_UP_CONCURRENCY = 8
 PLAIN = "plain"
+# With --max-faults, the load goes on past --requests until the last fault is over:
+# for at most this many times --requests more.
+OVERRUN = 3
 
 
 @dataclass(frozen=True)
@@ -443,11 +446,13 @@ class Soak:
             await self._settle(session, router, rate)
             await asyncio.to_thread(self._quiesce)
             self._baseline = {name: self._footprint(name) for name in self.prefill + self.decode}
-            shapes = mix.mix(s.requests + s.recovery, s.seed, s.max_model_len, s.disconnect_share)
+            most = s.requests * (1 + OVERRUN if s.max_faults else 1)
+            shapes = mix.mix(most + s.recovery, s.seed, s.max_model_len, s.disconnect_share)
             started = self.clock()
-            await self._load(session, router, shapes[: s.requests], rate)
+            sent = await self._load(session, router, shapes[:most], rate, least=s.requests)
             if s.recovery:
-                await self._load(session, router, shapes[s.requests :], rate, faults=False)
+                recovery = shapes[sent : sent + s.recovery]
+                await self._load(session, router, recovery, rate, faults=False)
             seconds = self.clock() - started
             states = await asyncio.to_thread(self._quiesce)
             await asyncio.sleep(2.0)  # let freed memory and closed sockets settle
@@ -511,30 +516,48 @@ class Soak:
         shapes: list[mix.Shape],
         rate: float,
         faults: bool = True,
-    ) -> None:
-        """Every request at its arrival time, faults meanwhile (unless not `faults`);
-        back once every request has ended and the fault in progress (if any) is over."""
+        least: int | None = None,
+    ) -> int:
+        """Requests at their arrival times, faults meanwhile (unless not `faults`). The
+        first `least` (all by default) are sent whatever happens; past them the load
+        ends once the faults are over, so each of --max-faults comes under load however
+        long the restarts before it took. Back once every request sent has ended and
+        the fault in progress (if any) is over; how many were sent."""
         s = self.settings
+        least = len(shapes) if least is None else least
         send_at = load.arrivals(len(shapes), rate, s.seed)
         start = time.monotonic()
-
-        async def one(shape: mix.Shape, at: float) -> None:
-            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            self._sent += 1
-            self.records.append(await send(session, router, shape, s.deadline_s, self.clock))
-
-        done = asyncio.Event()
-        injecting = asyncio.ensure_future(self._inject(done) if faults else done.wait())
+        done = asyncio.Event()  # the load is over: no fault begins after it
+        faults_over = asyncio.Event()
+        if faults:
+            injecting = asyncio.ensure_future(self._inject(done, faults_over))
+        else:
+            faults_over.set()
+            injecting = asyncio.ensure_future(done.wait())
         showing = asyncio.ensure_future(self._progress(s.requests + s.recovery))
         sampling = asyncio.ensure_future(self._sample_footprints())
+        sending: list[asyncio.Future] = []
+
+        async def one(shape: mix.Shape) -> None:
+            self.records.append(await send(session, router, shape, s.deadline_s, self.clock))
+
         try:
-            await asyncio.gather(*(one(sh, at) for sh, at in zip(shapes, send_at, strict=True)))
+            for index, (shape, at) in enumerate(zip(shapes, send_at, strict=True)):
+                delay = start + at - time.monotonic()
+                if index < least:
+                    await asyncio.sleep(max(0.0, delay))
+                elif await _set_within(faults_over, delay):
+                    break
+                self._sent += 1
+                sending.append(asyncio.ensure_future(one(shape)))
+            await asyncio.gather(*sending)
         finally:
             done.set()
             await injecting
             showing.cancel()
             sampling.cancel()
         self.records.sort(key=lambda r: r.index)
+        return len(sending)
 
     async def _sample_footprints(self) -> None:
         """Each instance's RSS and open files every SAMPLE_S through the run: whether
@@ -551,7 +574,14 @@ class Soak:
         self.footprints.append({"t": round(self.clock(), 1), "phase": phase, **sample})
         return self.footprints[-1]
 
-    async def _inject(self, done: asyncio.Event) -> None:
+    async def _inject(self, done: asyncio.Event, over: asyncio.Event) -> None:
+        """Faults until the load is `done` or --max-faults have run; `over` is set then."""
+        try:
+            await self._faults(done)
+        finally:
+            over.set()
+
+    async def _faults(self, done: asyncio.Event) -> None:
         s = self.settings
         if s.fault_interval_s <= 0:
             return
@@ -673,6 +703,13 @@ class Soak:
         with (self.out / "footprints.jsonl").open("w") as lines:
             for sample in self.footprints:
                 lines.write(json.dumps(sample) + "\n")
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether `event` is set within `seconds` (at once when it is already)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), max(0.0, seconds))
+    return event.is_set()
 
 
 def main(settings: Settings, out: Path) -> int:

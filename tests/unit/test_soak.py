@@ -352,3 +352,44 @@ def test_a_request_that_fails_while_settling_stops_the_soak(monkeypatch):
 
     with pytest.raises(KVPushError, match="settling failed, no soak: failed prefill instance"):
         asyncio.run(_settle(refuse, [100.0], settle_max_s=0.5))
+
+
+# -- the load: at least --requests, and on until the last fault is over ---------------
+
+
+async def _load(fault_seconds: float, least: int, rate: float) -> tuple[soak.Soak, int, float]:
+    """A load of at least `least` requests at `rate` on a stand-in deployment, whose
+    faults take `fault_seconds` in all: the Soak, how many it sent, and when (seconds
+    from the start) the faults were over."""
+    run = soak.Soak(soak.Settings(seed=3, max_faults=1, fault_interval_s=1.0), Path("unused"))
+    run.prefill, run.decode = ["prefill0"], []
+    run._footprint = lambda name: (100.0, 100)  # type: ignore[method-assign]
+    started = time.monotonic()
+    over: list[float] = []
+
+    async def faults(done: asyncio.Event) -> None:
+        await asyncio.sleep(fault_seconds)
+        over.append(time.monotonic() - started)
+
+    run._faults = faults  # type: ignore[method-assign]
+    shapes = mix.mix(least * 4, 3, 2048, 0.0)
+    app = web.Application()
+    app.router.add_post(mix.COMPLETIONS, _ok)
+    app.router.add_post(mix.CHAT, _ok)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        sent = await run._load(session, url, shapes, rate, least=least)
+    return run, sent, over[0]
+
+
+def test_the_load_goes_on_past_its_requests_until_the_faults_are_over():
+    # 10 requests at 20 a second take half a second; the faults take 1.5 s.
+    run, sent, over = asyncio.run(_load(1.5, least=10, rate=20.0))
+    assert len(run.records) == sent and sorted(r.index for r in run.records) == list(range(sent))
+    assert 10 < sent < 40  # more than the least, and not the whole mix
+    # The last request went out before the faults were over, and none long after.
+    assert max(r.sent_s for r in run.records) <= over + 0.5
+
+    # Faults over before the least is sent: exactly the least.
+    run, sent, _ = asyncio.run(_load(0.05, least=10, rate=20.0))
+    assert sent == 10 and len(run.records) == 10
