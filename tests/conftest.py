@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import PurePosixPath
@@ -43,8 +45,15 @@ HAS_NIXL = _has("nixl") or _has("nixl_cu13") or _has("nixl_cu12")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist, each worker picks server ports from its own slice of the range, so
+    """Every vLLM server of the run shares one cache (what vLLM learns of a model's
+    class, once per class rather than once per module's work directory); the first
+    process makes it, xdist's workers inherit it, and it goes with the run.
+
+    Under xdist, each worker picks server ports from its own slice of the range, so
     that two workers never choose the same one before either binds it."""
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="kvpush-vllm-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("VLLM_CACHE_ROOT"), True))
     worker, workers = (
         os.environ.get("PYTEST_XDIST_WORKER"),
         os.environ.get("PYTEST_XDIST_WORKER_COUNT"),

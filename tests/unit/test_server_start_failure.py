@@ -62,10 +62,14 @@ def test_vllms_socket_directory_is_short_whatever_the_work_directory_and_goes_on
     assert not server.scratch.exists()
 
 
-def test_the_servers_of_one_work_directory_share_vllms_cache_and_nothing_else(tmp_path):
+def test_the_servers_of_one_work_directory_share_vllms_cache_and_nothing_else(
+    tmp_path, monkeypatch
+):
     """vLLM inspects a model's class in a subprocess that imports vLLM again, unless
     its cache already holds the answer: every server but the first of a work
-    directory finds it there. Sockets and compiled kernels stay each server's own."""
+    directory finds it there (or of the run, where VLLM_CACHE_ROOT names one).
+    Sockets and compiled kernels stay each server's own."""
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     one, other = (VllmServer(ServerSpec(name, tmp_path, free_port()), tmp_path / "work")
                   for name in ("prefill", "decode"))  # fmt: skip
     envs = [one.environment(), other.environment()]
@@ -73,3 +77,20 @@ def test_the_servers_of_one_work_directory_share_vllms_cache_and_nothing_else(tm
     assert (tmp_path / "work" / "vllm-cache").is_dir()
     for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert envs[0][name] != envs[1][name], name
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "run-cache"))
+    assert one.environment()["VLLM_CACHE_ROOT"] == str(tmp_path / "run-cache")
+
+
+def test_a_model_class_vllm_has_learnt_is_known_from_its_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    server = VllmServer(ServerSpec("prefill", model, free_port()), tmp_path / "work")
+    assert not server.knows_model_class()
+    infos = tmp_path / "cache" / "modelinfos"
+    infos.mkdir(parents=True)
+    (infos / "vllm-model_executor-models-llama-MixtralForCausalLM.json").write_text("{}")
+    assert not server.knows_model_class()  # another class's entry
+    (infos / "vllm-model_executor-models-llama-LlamaForCausalLM.json").write_text("{}")
+    assert server.knows_model_class()
