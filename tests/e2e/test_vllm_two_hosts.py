@@ -14,14 +14,16 @@ nixl mode, TP 2 to TP 1 and pull, that
   (`UCX_PROTO_INFO=y`, in the servers' logs) names the host-to-host link's TCP device
   and nothing else, and that link's byte counter rose by at least the KV's size.
 
-One pair serves the push, first-token and vllm-router tests; only TP 2 restarts the
-prefill, and pull both. Runs as root (CI); elsewhere it skips, naming why.
+The pull tests run first on a pull pair; TP 2 then restarts both in push, and the
+push, first-token, vllm-router and fault tests share one push pair. Runs as root
+(CI); elsewhere it skips, naming why.
 `KVPUSH_TWO_HOSTS_UCX_TLS=unpinned` leaves UCX free to choose, to see the lane check
 fail as it must.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -72,88 +74,11 @@ def pair(workspace: Cluster, single: str, hosts: netns.TwoHosts) -> Iterator[Two
 
 
 # -- the tests --------------------------------------------------------------------------
-
-
-def test_push_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, client, single):
-    pair.running(Shape("push"))
-    identity = client.http.get(pair.cluster.identity_url(pair.prefill) + "/query").json()
-    advertised = {address.rpartition(":")[0] for address in identity["addresses"]}
-    assert advertised == {pair.hosts.a.address}, "not the namespace's routable address"
-    prompts = [prompt(n, 21000 + i) for i, n in enumerate(LENGTHS)]
-    expected = expected_tokens(client, single, prompts)
-    router = pair.router("hosts-push")
-    try:
-        with across_the_link(client, pair, prompts):
-            got = concurrently(client, router, prompts)
-    finally:
-        pair.cluster.stop_router("hosts-push")
-    assert got == expected
-
-
-def test_push_streams_take_their_first_token_from_prefill(pair, client, single):
-    """Greedy streams whose first token the router streams from the prefill leg, the
-    rest from decode's: text, ids and logprobs as a plain instance streams them."""
-    pair.running(Shape("push"))
-    bodies = [
-        {"model": MODEL_NAME, "prompt": prompt(n, 22000 + n), "max_tokens": 8, "temperature": 0,
-         "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
-        for n in (129, 256, 385)
-    ]  # fmt: skip
-    expected = [streamed(client, single, COMPLETIONS, body) for body in bodies]
-    router = pair.router("hosts-first-token")
-    try:
-        with across_the_link(client, pair, [b["prompt"] for b in bodies]):
-            got = [streamed(client, router, COMPLETIONS, body) for body in bodies]
-        from_decode = client.metric(router, "kvpush_first_token_from_decode_total")
-        unusable = client.metric(router, "kvpush_first_token_unusable_total")
-    finally:
-        pair.cluster.stop_router("hosts-first-token")
-    assert got == expected
-    assert (from_decode, unusable) == (0, 0), "a first token came from decode"
-
-
-def _vllm_router_nixl(pair: TwoHostPair, name: str) -> str:
-    """vllm-router in nixl mode in front of the pair, as its README shows."""
-    port = free_port()
-    command = [VLLM_ROUTER, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "debug", "--prefill", pair.url("prefill"),
-               "--decode", pair.url("decode")]  # fmt: skip
-    return pair.cluster.start_router_command(name, command, port)
-
-
-def test_vllm_router_nixl_mode_moves_the_kv_across_the_link(pair, client, single):
-    """Sequential for the first request (it learns the instance from the prefill
-    answer's remote_host, prefill's own address), then both legs at once."""
-    pair.running(Shape("push"))
-    prompts = [prompt(200 + 190 * i, 23000 + i) for i in range(4)]
-    expected = expected_tokens(client, single, prompts)
-    router = _vllm_router_nixl(pair, "hosts-vllm-router")
-    try:
-        with across_the_link(client, pair, prompts):
-            got = [client.tokens(router, prompts[0]), *concurrently(client, router, prompts[1:])]
-    finally:
-        pair.cluster.stop_router("hosts-vllm-router")
-    assert got == expected
-    log = (pair.cluster.workdir / "hosts-vllm-router.log").read_text(errors="replace")
-    assert log.count("Stage 1 - Prefill") == 1, "not both legs at once after the first"
-
-
-def test_tp2_prefill_feeds_a_tp1_decode_on_another_host(pair, client, single):
-    """Each prefill rank writes its KV heads from host a into the one decode rank."""
-    pair.running(Shape("push", prefill_tp=2))
-    identity = client.http.get(pair.cluster.identity_url(pair.prefill) + "/query").json()
-    assert identity["tp_size"] == 2 and len(identity["addresses"]) == 2
-    assert {a.rpartition(":")[0] for a in identity["addresses"]} == {pair.hosts.a.address}
-    prompts = [prompt(n, 24000 + i) for i, n in enumerate(LENGTHS)]
-    expected = expected_tokens(client, single, prompts)
-    router = pair.router("hosts-tp")
-    try:
-        with across_the_link(client, pair, prompts):
-            got = concurrently(client, router, prompts)
-    finally:
-        pair.cluster.stop_router("hosts-tp")
-    assert got == expected
+# Pull first, then TP 2 to TP 1, then push and the faults with one shape, so that the
+# module starts five servers, not seven: push runs with the fault tests' timers
+# (prefill's lease_s and registration_ttl_s at 10 s, both sides' link_timeout_s at
+# 16 s), which no answer of the others waits on.
+PUSH = Shape("push", lease_s=10.0, link_timeout_s=16.0)
 
 
 def test_pull_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, client, single):
@@ -204,12 +129,94 @@ def test_pull_reads_across_the_link_again_after_decodes_end_was_cut(pair, client
         pair.cluster.stop_router("hosts-pull-cut")
 
 
+def test_tp2_prefill_feeds_a_tp1_decode_on_another_host(pair, client, single):
+    """Each prefill rank writes its KV heads from host a into the one decode rank."""
+    pair.running(dataclasses.replace(PUSH, prefill_tp=2))
+    identity = client.http.get(pair.cluster.identity_url(pair.prefill) + "/query").json()
+    assert identity["tp_size"] == 2 and len(identity["addresses"]) == 2
+    assert {a.rpartition(":")[0] for a in identity["addresses"]} == {pair.hosts.a.address}
+    prompts = [prompt(n, 24000 + i) for i, n in enumerate(LENGTHS)]
+    expected = expected_tokens(client, single, prompts)
+    router = pair.router("hosts-tp")
+    try:
+        with across_the_link(client, pair, prompts):
+            got = concurrently(client, router, prompts)
+    finally:
+        pair.cluster.stop_router("hosts-tp")
+    assert got == expected
+
+
+def test_push_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, client, single):
+    pair.running(PUSH)
+    identity = client.http.get(pair.cluster.identity_url(pair.prefill) + "/query").json()
+    advertised = {address.rpartition(":")[0] for address in identity["addresses"]}
+    assert advertised == {pair.hosts.a.address}, "not the namespace's routable address"
+    prompts = [prompt(n, 21000 + i) for i, n in enumerate(LENGTHS)]
+    expected = expected_tokens(client, single, prompts)
+    router = pair.router("hosts-push")
+    try:
+        with across_the_link(client, pair, prompts):
+            got = concurrently(client, router, prompts)
+    finally:
+        pair.cluster.stop_router("hosts-push")
+    assert got == expected
+
+
+def test_push_streams_take_their_first_token_from_prefill(pair, client, single):
+    """Greedy streams whose first token the router streams from the prefill leg, the
+    rest from decode's: text, ids and logprobs as a plain instance streams them."""
+    pair.running(PUSH)
+    bodies = [
+        {"model": MODEL_NAME, "prompt": prompt(n, 22000 + n), "max_tokens": 8, "temperature": 0,
+         "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+        for n in (129, 256, 385)
+    ]  # fmt: skip
+    expected = [streamed(client, single, COMPLETIONS, body) for body in bodies]
+    router = pair.router("hosts-first-token")
+    try:
+        with across_the_link(client, pair, [b["prompt"] for b in bodies]):
+            got = [streamed(client, router, COMPLETIONS, body) for body in bodies]
+        from_decode = client.metric(router, "kvpush_first_token_from_decode_total")
+        unusable = client.metric(router, "kvpush_first_token_unusable_total")
+    finally:
+        pair.cluster.stop_router("hosts-first-token")
+    assert got == expected
+    assert (from_decode, unusable) == (0, 0), "a first token came from decode"
+
+
+def _vllm_router_nixl(pair: TwoHostPair, name: str) -> str:
+    """vllm-router in nixl mode in front of the pair, as its README shows."""
+    port = free_port()
+    command = [VLLM_ROUTER, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "debug", "--prefill", pair.url("prefill"),
+               "--decode", pair.url("decode")]  # fmt: skip
+    return pair.cluster.start_router_command(name, command, port)
+
+
+def test_vllm_router_nixl_mode_moves_the_kv_across_the_link(pair, client, single):
+    """Sequential for the first request (it learns the instance from the prefill
+    answer's remote_host, prefill's own address), then both legs at once."""
+    pair.running(PUSH)
+    prompts = [prompt(200 + 190 * i, 23000 + i) for i in range(4)]
+    expected = expected_tokens(client, single, prompts)
+    router = _vllm_router_nixl(pair, "hosts-vllm-router")
+    try:
+        with across_the_link(client, pair, prompts):
+            got = [client.tokens(router, prompts[0]), *concurrently(client, router, prompts[1:])]
+    finally:
+        pair.cluster.stop_router("hosts-vllm-router")
+    assert got == expected
+    log = (pair.cluster.workdir / "hosts-vllm-router.log").read_text(errors="replace")
+    assert log.count("Stage 1 - Prefill") == 1, "not both legs at once after the first"
+
+
 # -- network faults, under load (tests/e2e/network_faults.py) -------------------------
 # Push, with prefill's lease_s and registration_ttl_s at 10 s so that what a fault
 # strands is let go within a test, and link_timeout_s at 16 s, longer than the
 # longest cut below (12 s), which the links outlive; decode's watchdog_s is
 # DECODE_TIMERS' 6 s.
-FAULT_SHAPE = Shape("push", lease_s=10.0, link_timeout_s=16.0)
+FAULT_SHAPE = PUSH
 WATCHDOG_S = DECODE_TIMERS["watchdog_s"]
 # What a fault may leave behind is gone by then: the lease, a WRITE's grace and a
 # heartbeat, and the producer's silence rule (silence_s, 10 s by default).
