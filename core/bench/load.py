@@ -11,13 +11,14 @@ push connector, both legs at once, paired by a shared X-Request-Id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,33 @@ def arrivals(count: int, rate: float, seed: int) -> list[float]:
         times.append(now)
         now += rng.expovariate(rate)
     return times
+
+
+async def paced(
+    count: int, rate: float, seed: int, send: Callable[[int], Awaitable[None]],
+    least: int, enough: asyncio.Event,
+) -> int:  # fmt: skip
+    """send(0), send(1), ... at the arrival times of a Poisson process of `rate` a
+    second (`seed`): the first `least` whatever happens, the rest until `enough` is
+    set, at most `count`. Back once every send has returned; how many were made."""
+    start = time.monotonic()
+    sending = []
+    for index, at in enumerate(arrivals(count, rate, seed)):
+        delay = start + at - time.monotonic()
+        if index < least:
+            await asyncio.sleep(max(0.0, delay))
+        elif await _set_within(enough, delay):
+            break
+        sending.append(asyncio.ensure_future(send(index)))
+    await asyncio.gather(*sending)
+    return len(sending)
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether `event` is set within `seconds` (at once when it is already)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), max(0.0, seconds))
+    return event.is_set()
 
 
 async def run(

@@ -26,7 +26,8 @@ on stderr while it runs.
 
 One module: the run's phases (warm-up, settling, load with faults,
 quiescence, the verdict) read in the order they run. Faults are bench/faults.py's and
-membership_faults.py's, the load load.py's, the table soak_table.py's.
+membership_faults.py's, the load load.py's, the records and the verdict
+soak_verdict.py's, the table soak_table.py's.
 """
 
 from __future__ import annotations
@@ -50,15 +51,24 @@ from kvpush.bench import load, membership_faults, mix
 from kvpush.bench.cpu import tree_footprint
 from kvpush.bench.progress import Progress
 from kvpush.bench.soak_table import markdown
+from kvpush.bench.soak_verdict import (
+    DISCONNECTED,
+    FAILED,
+    HUNG,
+    OK,
+    Instance,
+    Record,
+    compare,
+    explain,
+    summarize,
+)
 from kvpush.errors import KVPushError
 from kvpush.protocol.config import ProtocolConfig
 
-OK, FAILED, HUNG, DISCONNECTED = "ok", "failed", "hung", "disconnected"
 # Short protocol timers, so that a stopped process outlives them within a fault
 # interval (the defaults are 30 s to 10 minutes).
 SOAK_TIMERS = {"watchdog_s": 6.0, "heartbeat_s": 1.0, "write_grace_s": 2.0,
                "lease_s": 10.0, "registration_ttl_s": 10.0}  # fmt: skip
-RESOURCE_TOLERANCE = 0.10  # RSS and open files after the run: within 10 % of settled
 # Settled: no instance's RSS grew more than LEVEL_GROWTH over the last LEVEL_WINDOW_S.
 # A leak keeps growing through the run whatever it did here; growth that stops is the
 # allocators reaching the high-water mark of the mix (the first minutes of it, here).
@@ -123,52 +133,6 @@ class Settings:
         c = {**asdict(ProtocolConfig()), **self.connector}
         longest = max(c["watchdog_s"], c["lease_s"], c["registration_ttl_s"])
         return longest + c["write_grace_s"] + 2.0
-
-
-@dataclass
-class Record:
-    """One request as the client saw it (times in seconds since the run started)."""
-
-    index: int
-    request: dict[str, Any]  # Shape.describe()
-    sent_s: float
-    ended_s: float
-    outcome: str
-    status: int = 0
-    error: str = ""
-    openai_error: bool = False  # the error came as {"error": {"message": ...}}
-    answer: list[str] = field(default_factory=list)  # each choice's text, by index
-    match: bool | None = None  # equal to the plain instance's (deterministic, ok only)
-    fault: int | None = None  # the fault whose window explains a failure
-    cause_named: bool | None = None  # a failure's error names what failed
-
-    def as_json(self) -> str:
-        return json.dumps({"type": "request", **asdict(self)})
-
-
-@dataclass
-class Instance:
-    """One kvpush server after the run, against its level once settled (a restarted
-    instance: the level its first incarnation settled at)."""
-
-    name: str
-    role: str
-    restarts: int
-    state: dict[str, Any]  # /kvpush/state after quiescence
-    rss_mib: tuple[float, float]  # settled after warm-up, after the run
-    fds: tuple[int, int]
-
-    @property
-    def quiet(self) -> bool:
-        return set(self.state) == {"sending", "producing", "receiving"} and not any(
-            self.state.values()
-        )
-
-    @property
-    def within_tolerance(self) -> bool:
-        (rss0, rss1), (fds0, fds1) = self.rss_mib, self.fds
-        limit = 1 + RESOURCE_TOLERANCE
-        return rss1 <= rss0 * limit and fds1 <= fds0 * limit
 
 
 # -- one request ----------------------------------------------------------------------
@@ -249,18 +213,7 @@ async def send(
     )  # fmt: skip
 
 
-# -- verdicts (pure) --------------------------------------------------------------------
-
-
-def explain(records: list[Record], faults: list[faultlib.Fault], grace_s: float) -> None:
-    """Give each failed or hung request the fault whose window it was in flight in,
-    and say whether its error names the cause."""
-    for record in records:
-        if record.outcome not in (FAILED, HUNG):
-            continue
-        fault = faultlib.attribute(record.sent_s, record.ended_s, faults, grace_s)
-        record.fault = None if fault is None else fault.id
-        record.cause_named = record.openai_error and faultlib.names_cause(record.error)
+# -- settled (pure) ---------------------------------------------------------------------
 
 
 def levelled(samples: list[dict[str, Any]], names: list[str]) -> bool:
@@ -272,72 +225,6 @@ def levelled(samples: list[dict[str, Any]], names: list[str]) -> bool:
     if not older:
         return False
     return all(newest[n][0] <= older[-1][n][0] * (1 + LEVEL_GROWTH) for n in names)
-
-
-def compare(records: list[Record], reference: dict[int, list[str] | None]) -> None:
-    """Mark each answered deterministic request equal or not to the plain instance's
-    answer (`reference`, by request index; None where the plain instance failed)."""
-    for record in records:
-        if record.index in reference and record.outcome == OK:
-            want = reference[record.index]
-            record.match = None if want is None else record.answer == want
-
-
-def summarize(
-    records: list[Record], faults: list[faultlib.Fault], instances: list[Instance],
-    seconds: float, rate: float,
-) -> dict[str, Any]:  # fmt: skip
-    """The run in one object: counts, the issue's targets each true or false, and
-    examples of whatever broke one."""
-    outcomes = Counter(r.outcome for r in records)
-    failed = [r for r in records if r.outcome == FAILED]
-    wrong = [r for r in records if r.match is False]
-    unexplained = [r for r in failed if r.fault is None]
-    unnamed = [r for r in failed if not r.cause_named]
-    targets = {
-        "no_hung_requests": outcomes[HUNG] == 0,
-        "no_wrong_answers": not wrong,
-        "every_failure_in_a_fault_window": not unexplained,
-        "every_failure_names_its_cause": not unnamed,
-        "nothing_in_flight_or_held": all(i.quiet for i in instances),
-        "rss_and_fds_within_10pct": all(i.within_tolerance for i in instances),
-        "membership_checks_held": all(f.held is not False for f in faults),
-    }
-    return {
-        "type": "summary",
-        "requests": len(records),
-        "seconds": round(seconds, 1),
-        "rate": round(rate, 3),
-        "outcomes": {k: outcomes[k] for k in (OK, FAILED, DISCONNECTED, HUNG)},
-        "compared": sum(r.match is not None for r in records),
-        "wrong": len(wrong),
-        "unexplained_failures": len(unexplained),
-        "failures_not_naming_cause": len(unnamed),
-        "failures_by_fault": dict(Counter(str(r.fault) for r in failed if r.fault is not None)),
-        "faults": [f.as_dict() for f in faults],
-        "instances": [
-            {**asdict(i), "quiet": i.quiet, "within_tolerance": i.within_tolerance}
-            for i in instances
-        ],
-        "targets": targets,
-        "passed": all(targets.values()),
-        "examples": {
-            "hung": [_example(r) for r in records if r.outcome == HUNG][:10],
-            "wrong": [_example(r) for r in wrong][:10],
-            "unexplained": [_example(r) for r in unexplained][:10],
-            "not_naming_cause": [_example(r) for r in unnamed][:10],
-        },
-    }
-
-
-def _example(record: Record) -> dict[str, Any]:
-    """A request that broke a target, in short: enough to find it in the logs."""
-    keep = ("endpoint", "stream", "n", "prompt_lens")
-    return {
-        "index": record.index, "sent_s": record.sent_s, "ended_s": record.ended_s,
-        "status": record.status, "error": record.error, "fault": record.fault,
-        **{k: record.request[k] for k in keep if k in record.request},
-    }  # fmt: skip
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -524,9 +411,6 @@ class Soak:
         long the restarts before it took. Back once every request sent has ended and
         the fault in progress (if any) is over; how many were sent."""
         s = self.settings
-        least = len(shapes) if least is None else least
-        send_at = load.arrivals(len(shapes), rate, s.seed)
-        start = time.monotonic()
         done = asyncio.Event()  # the load is over: no fault begins after it
         faults_over = asyncio.Event()
         if faults:
@@ -536,28 +420,22 @@ class Soak:
             injecting = asyncio.ensure_future(done.wait())
         showing = asyncio.ensure_future(self._progress(s.requests + s.recovery))
         sampling = asyncio.ensure_future(self._sample_footprints())
-        sending: list[asyncio.Future] = []
 
-        async def one(shape: mix.Shape) -> None:
-            self.records.append(await send(session, router, shape, s.deadline_s, self.clock))
+        async def one(index: int) -> None:
+            self._sent += 1
+            answer = send(session, router, shapes[index], s.deadline_s, self.clock)
+            self.records.append(await answer)
 
         try:
-            for index, (shape, at) in enumerate(zip(shapes, send_at, strict=True)):
-                delay = start + at - time.monotonic()
-                if index < least:
-                    await asyncio.sleep(max(0.0, delay))
-                elif await _set_within(faults_over, delay):
-                    break
-                self._sent += 1
-                sending.append(asyncio.ensure_future(one(shape)))
-            await asyncio.gather(*sending)
+            least = len(shapes) if least is None else least
+            sent = await load.paced(len(shapes), rate, s.seed, one, least, faults_over)
         finally:
             done.set()
             await injecting
             showing.cancel()
             sampling.cancel()
         self.records.sort(key=lambda r: r.index)
-        return len(sending)
+        return sent
 
     async def _sample_footprints(self) -> None:
         """Each instance's RSS and open files every SAMPLE_S through the run: whether
@@ -703,13 +581,6 @@ class Soak:
         with (self.out / "footprints.jsonl").open("w") as lines:
             for sample in self.footprints:
                 lines.write(json.dumps(sample) + "\n")
-
-
-async def _set_within(event: asyncio.Event, seconds: float) -> bool:
-    """Whether `event` is set within `seconds` (at once when it is already)."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), max(0.0, seconds))
-    return event.is_set()
 
 
 def main(settings: Settings, out: Path) -> int:
