@@ -1,4 +1,5 @@
-"""Open-loop load for `kvpush bench serve`: Poisson arrivals of streamed completions.
+"""Open-loop load for `kvpush bench serve`: Poisson arrivals of streamed completions
+(and paced(), the soak's arrivals, which may stop early).
 
 Each request is a prompt of token ids, greedy, a fixed number of output tokens
 (ignore_eos), streamed, so every token's arrival time is seen. A request goes either
