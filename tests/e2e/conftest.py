@@ -226,12 +226,24 @@ def extra_pair(
     cluster.add_server(decode, "kv_consumer", core=1, mode=mode, policy=policy, **timers)
     for server in (prefill, decode):
         cluster.servers[server].spec.extra_args = list(extra_args)
+    with routed(cluster, [prefill, decode], [prefill], [decode], name, mode) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def routed(
+    cluster: Cluster, added: list[str], prefill: list[str], decode: list[str], name: str,
+    mode: str = "push",
+) -> Iterator[str]:  # fmt: skip
+    """The `added` servers (configured, not started) started, and a router `name` in
+    front of `prefill` and `decode`: its URL. On leaving, the router and the added
+    servers stop."""
     try:
-        cluster.start(prefill, decode)
-        yield cluster.start_router([prefill], [decode], mode=mode, name=name)
+        cluster.start(*added)
+        yield cluster.start_router(prefill, decode, mode=mode, name=name)
     finally:
         cluster.stop_router(name)
-        for server in (prefill, decode):
+        for server in added:
             cluster.servers.pop(server).stop()
 
 

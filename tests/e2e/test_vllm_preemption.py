@@ -8,7 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import pytest
-from conftest import PREFILL_TIMERS, prompt
+from conftest import PREFILL_TIMERS, prompt, routed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -21,12 +21,8 @@ def cramped_pair(cluster):
     router of their own."""
     cluster.add_server("small_decode", "kv_consumer", core=1, **PREFILL_TIMERS)
     cluster.servers["small_decode"].spec.extra_args = ["--num-gpu-blocks-override", BLOCKS]
-    try:
-        cluster.start("small_decode")
-        yield cluster.start_router(["prefill"], ["small_decode"], name="small")
-    finally:
-        cluster.stop_router("small")
-        cluster.servers.pop("small_decode").stop()
+    with routed(cluster, ["small_decode"], ["prefill"], ["small_decode"], "small") as url:
+        yield url
 
 
 def test_preempted_decode_requests_still_answer_as_a_plain_instance(cluster, cramped_pair, client):

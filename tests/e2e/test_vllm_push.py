@@ -28,6 +28,7 @@ from conftest import (
     assert_unseeded_stream_is_decodes_own,
     perturbed_copy,
     prompt,
+    routed,
     streamed,
 )
 
@@ -139,12 +140,8 @@ def other_kv_router(cluster):
     # Its head differs too: its first tokens are not decode's (the continuation test).
     wrong = perturbed_copy(cluster.model, cluster.workdir / "model-other-kv", head=True)
     cluster.add_server("prefill_other_kv", "kv_both", core=0, model=wrong, **PREFILL_TIMERS)
-    try:
-        cluster.start("prefill_other_kv")
-        yield cluster.start_router(["prefill_other_kv"], ["decode"], name="other")
-    finally:
-        cluster.stop_router("other")
-        cluster.servers.pop("prefill_other_kv").stop()
+    with routed(cluster, ["prefill_other_kv"], ["prefill_other_kv"], ["decode"], "other") as url:
+        yield url
 
 
 def test_prefill_with_other_kv_weights_changes_decode_output(

@@ -137,13 +137,7 @@ def test_tp2_prefill_feeds_a_tp1_decode_on_another_host(pair, client, single):
     assert {a.rpartition(":")[0] for a in identity["addresses"]} == {pair.hosts.a.address}
     prompts = [prompt(n, 24000 + i) for i, n in enumerate(LENGTHS)]
     expected = expected_tokens(client, single, prompts)
-    router = pair.router("hosts-tp")
-    try:
-        with across_the_link(client, pair, prompts):
-            got = concurrently(client, router, prompts)
-    finally:
-        pair.cluster.stop_router("hosts-tp")
-    assert got == expected
+    assert _answered_across(client, pair, "hosts-tp", prompts) == expected
 
 
 def test_push_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, client, single):
@@ -153,13 +147,18 @@ def test_push_answers_equal_a_plain_instance_and_the_kv_crossed_the_link(pair, c
     assert advertised == {pair.hosts.a.address}, "not the namespace's routable address"
     prompts = [prompt(n, 21000 + i) for i, n in enumerate(LENGTHS)]
     expected = expected_tokens(client, single, prompts)
-    router = pair.router("hosts-push")
+    assert _answered_across(client, pair, "hosts-push", prompts) == expected
+
+
+def _answered_across(client, pair: TwoHostPair, name: str, prompts: list) -> list:
+    """The prompts' answers, sent at once through a router `name` in front of the pair;
+    each prompt's KV crossed the link."""
+    router = pair.router(name)
     try:
         with across_the_link(client, pair, prompts):
-            got = concurrently(client, router, prompts)
+            return concurrently(client, router, prompts)
     finally:
-        pair.cluster.stop_router("hosts-push")
-    assert got == expected
+        pair.cluster.stop_router(name)
 
 
 def test_push_streams_take_their_first_token_from_prefill(pair, client, single):
