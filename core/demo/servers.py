@@ -92,13 +92,16 @@ class VllmServer:
         known = {path.stem for path in (self.cache / "modelinfos").glob("*.json")}
         return all(any(name.endswith(f"-{cls}") for name in known) for cls in classes)
 
-    def wait_model_class_known(self, timeout: float = 180.0) -> None:
+    def wait_model_class_known(self, timeout: float = 120.0) -> None:
         """Until vLLM has learnt the model's class (then servers started later read
-        it from the cache), the server exited, or `timeout`."""
+        it from the cache), or says it resolved it (a class cached under another
+        name), or the server exited, or `timeout`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.knows_model_class():
             if self.process is None or self.process.poll() is not None:
                 return  # wait_healthy says why
+            if "Resolved architecture" in self.log_tail(400):
+                return
             time.sleep(0.2)
 
     def command(self) -> list[str]:
