@@ -358,6 +358,12 @@ def _soak(benches: Any) -> None:
         help="once the last fault is over, this many more requests: whether it serves again",
     )
     p.add_argument(
+        "--compare",
+        type=a.optional_count,
+        help="ask the plain instance at most this many answers, spread over the run "
+        "(default: every deterministic one)",
+    )
+    p.add_argument(
         "--stop-seconds", type=a.seconds, help="SIGSTOP this long (default: past the timers)"
     )
     p.add_argument(
@@ -412,6 +418,7 @@ def _run_soak(args: argparse.Namespace) -> int:
         fault_interval_s=args.fault_interval,
         max_faults=args.max_faults,
         recovery=args.recovery,
+        compare=args.compare,
         stop_s=args.stop_seconds,
         grace_s=args.fault_grace,
         disconnect_share=args.disconnect_share,

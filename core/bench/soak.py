@@ -60,6 +60,7 @@ from kvpush.bench.soak_verdict import (
     Record,
     compare,
     explain,
+    spread,
     summarize,
 )
 from kvpush.errors import KVPushError
@@ -106,6 +107,7 @@ class Settings:
     # Once the last fault is over, this many more requests at the same rate: whether the
     # deployment serves again, however long its restarts took.
     recovery: int = 0
+    compare: int | None = None  # the most answers asked of the plain instance; None: all
     warm_up: int = 64  # flat out, eight at a time: the deployment's throughput
     settle_max_s: float = 300.0  # then the mix at the run's rate, until RSS levels off
     quiesce_s: float = 60.0  # the longest to wait for every instance to go quiet
@@ -413,11 +415,8 @@ class Soak:
         s = self.settings
         done = asyncio.Event()  # the load is over: no fault begins after it
         faults_over = asyncio.Event()
-        if faults:
-            injecting = asyncio.ensure_future(self._inject(done, faults_over))
-        else:
-            faults_over.set()
-            injecting = asyncio.ensure_future(done.wait())
+        injecting = asyncio.ensure_future(self._inject(done) if faults else asyncio.sleep(0))
+        injecting.add_done_callback(lambda _: faults_over.set())
         showing = asyncio.ensure_future(self._progress(s.requests + s.recovery))
         sampling = asyncio.ensure_future(self._sample_footprints())
 
@@ -452,14 +451,7 @@ class Soak:
         self.footprints.append({"t": round(self.clock(), 1), "phase": phase, **sample})
         return self.footprints[-1]
 
-    async def _inject(self, done: asyncio.Event, over: asyncio.Event) -> None:
-        """Faults until the load is `done` or --max-faults have run; `over` is set then."""
-        try:
-            await self._faults(done)
-        finally:
-            over.set()
-
-    async def _faults(self, done: asyncio.Event) -> None:
+    async def _inject(self, done: asyncio.Event) -> None:
         s = self.settings
         if s.fault_interval_s <= 0:
             return
@@ -545,7 +537,8 @@ class Soak:
         eight at a time; None where it failed too."""
         url = self.cluster.servers[PLAIN].url
         answered = {r.index for r in self.records if r.outcome == OK}
-        wanted = [s for s in shapes if s.deterministic and s.index in answered]
+        wanted = spread([s for s in shapes if s.deterministic and s.index in answered],
+                        self.settings.compare)  # fmt: skip
         # Greedy requests eight at a time, then seeded ones alone: vLLM's CPU build
         # dies on a seeded prompt that a step budget shared with other requests splits
         # into chunks ("CPU Generator does not use offset"); alone, a prompt up to the

@@ -73,6 +73,13 @@ def explain(records: list[Record], faults: list[faultlib.Fault], grace_s: float)
         record.cause_named = record.openai_error and faultlib.names_cause(record.error)
 
 
+def spread(items: list, most: int | None) -> list:
+    """At most `most` of `items`, evenly spaced (all where None)."""
+    if most is None or len(items) <= most:
+        return items
+    return [items[i * len(items) // most] for i in range(most)]
+
+
 def compare(records: list[Record], reference: dict[int, list[str] | None]) -> None:
     """Mark each answered deterministic request equal or not to the plain instance's
     answer (`reference`, by request index; None where the plain instance failed)."""

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -371,7 +372,7 @@ async def _load(fault_seconds: float, least: int, rate: float) -> tuple[soak.Soa
         await asyncio.sleep(fault_seconds)
         over.append(time.monotonic() - started)
 
-    run._faults = faults  # type: ignore[method-assign]
+    run._inject = faults  # type: ignore[method-assign]
     shapes = mix.mix(least * 4, 3, 2048, 0.0)
     app = web.Application()
     app.router.add_post(mix.COMPLETIONS, _ok)
@@ -393,3 +394,29 @@ def test_the_load_goes_on_past_its_requests_until_the_faults_are_over():
     # Faults over before the least is sent: exactly the least.
     run, sent, _ = asyncio.run(_load(0.05, least=10, rate=20.0))
     assert sent == 10 and len(run.records) == 10
+
+
+def test_the_plain_instance_is_asked_at_most_compare_answers_spread_over_the_run():
+    asked: list[int] = []
+
+    async def plain(request: web.Request) -> web.StreamResponse:
+        asked.append(json.loads(await request.text())["max_tokens"])
+        return await _ok(request)
+
+    async def reference(compare: int | None) -> dict[int, list[str] | None]:
+        run = soak.Soak(soak.Settings(seed=3, compare=compare), Path("unused"))
+        shapes = [s for s in mix.mix(200, 3, 2048, 0.0) if s.deterministic][:40]
+        run.records = [Record(s.index, {}, 0.0, 1.0, OK) for s in shapes]
+        app = web.Application()
+        app.router.add_post(mix.COMPLETIONS, plain)
+        app.router.add_post(mix.CHAT, plain)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            url = str(server.make_url("")).rstrip("/")
+            run.cluster = SimpleNamespace(servers={soak.PLAIN: SimpleNamespace(url=url)})
+            return await run._reference(session, shapes)
+
+    answers = asyncio.run(reference(10))
+    indexes = sorted(answers)
+    assert len(indexes) == len(asked) == 10
+    every = sorted(asyncio.run(reference(None)))
+    assert len(every) == 40 and indexes == every[::4]  # evenly spread, not the first ten
