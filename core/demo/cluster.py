@@ -91,17 +91,10 @@ class Cluster:
         return server
 
     def start(self, *names: str, timeout: float = 600.0) -> None:
-        """Start the named servers together and wait until each answers /health.
-        With a model class vLLM has not learnt yet, one server first, until it has:
-        the others then read it from the cache rather than each learn it in a
-        subprocess of its own (a vLLM import each, on cores they share)."""
+        """Start the named servers together and wait until each answers /health."""
         chosen = [self.servers[n] for n in names or self.servers]
-        first = [s for s in chosen if not s.knows_model_class()][:1]
-        for server in first:
-            server.start().wait_model_class_known()
         for server in chosen:
-            if server not in first:
-                server.start()
+            server.start()
         for server in chosen:
             server.wait_healthy(timeout)
 

@@ -81,29 +81,6 @@ class VllmServer:
         chosen = os.environ.get("VLLM_CACHE_ROOT")
         return Path(chosen) if chosen else self.dir.parent / "vllm-cache"
 
-    def knows_model_class(self) -> bool:
-        """Whether vLLM's cache holds what it learns of this model's class (an entry
-        per class, named for it: models/llama-LlamaForCausalLM.json)."""
-        try:
-            config = json.loads((Path(self.spec.model) / "config.json").read_text())
-            classes = config.get("architectures") or []
-        except (OSError, ValueError):
-            return True  # nothing to wait for: vLLM reads the model as it can
-        known = {path.stem for path in (self.cache / "modelinfos").glob("*.json")}
-        return all(any(name.endswith(f"-{cls}") for name in known) for cls in classes)
-
-    def wait_model_class_known(self, timeout: float = 120.0) -> None:
-        """Until vLLM has learnt the model's class (then servers started later read
-        it from the cache), or says it resolved it (a class cached under another
-        name), or the server exited, or `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.knows_model_class():
-            if self.process is None or self.process.poll() is not None:
-                return  # wait_healthy says why
-            if "Resolved architecture" in self.log_tail(400):
-                return
-            time.sleep(0.2)
-
     def command(self) -> list[str]:
         spec = self.spec
         command = [

@@ -2,7 +2,6 @@
 only the end of a failed run, and vLLM's last line there is a generic one."""
 
 import subprocess
-import time
 
 import pytest
 
@@ -80,39 +79,3 @@ def test_the_servers_of_one_work_directory_share_vllms_cache_and_nothing_else(
         assert envs[0][name] != envs[1][name], name
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "run-cache"))
     assert one.environment()["VLLM_CACHE_ROOT"] == str(tmp_path / "run-cache")
-
-
-def test_a_model_class_vllm_has_learnt_is_known_from_its_cache_entry(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    server = VllmServer(ServerSpec("prefill", model, free_port()), tmp_path / "work")
-    assert not server.knows_model_class()
-    infos = tmp_path / "cache" / "modelinfos"
-    infos.mkdir(parents=True)
-    (infos / "vllm-model_executor-models-llama-MixtralForCausalLM.json").write_text("{}")
-    assert not server.knows_model_class()  # another class's entry
-    (infos / "vllm-model_executor-models-llama-LlamaForCausalLM.json").write_text("{}")
-    assert server.knows_model_class()
-
-
-def test_waiting_for_a_model_class_ends_when_vllm_says_it_resolved_it(tmp_path, monkeypatch):
-    """A class vLLM caches under another name than the model's architecture is never
-    found in the cache: its log line ends the wait, not the timeout."""
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"architectures": ["MistralForCausalLM"]}')
-    server = VllmServer(ServerSpec("prefill", model, free_port()), tmp_path / "work")
-    server.dir.mkdir(parents=True)
-    server.process = subprocess.Popen(["sleep", "30"])
-    try:
-        started = time.monotonic()
-        server.log_path.write_text("INFO [model.py:733] Resolved architecture: LlamaForCausalLM\n")
-        server.wait_model_class_known(timeout=20.0)
-        assert time.monotonic() - started < 5.0
-        assert not server.knows_model_class()
-    finally:
-        server.process.kill()
-        server.process.wait()
