@@ -2,9 +2,8 @@
 
 Each server gets its own temp and compile directories (vLLM leaves sockets behind
 otherwise), shares vLLM's cache with the other servers of its work directory (or
-the run's, with VLLM_CACHE_ROOT set), is
-pinned to one core, and runs in its own session so that stopping it reaches every
-process it spawned.
+the run's, with VLLM_CACHE_ROOT set), is pinned to one core, and runs in its own
+session so that stopping it reaches every process it spawned.
 """
 
 from __future__ import annotations

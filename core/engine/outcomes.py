@@ -104,9 +104,9 @@ class Outcomes:
         OUTCOME_TRANSITIONS.move(record, to)
         return record.request_id
 
-    def in_flight(self) -> dict[str, str]:
-        """The transfers still awaited, by id: the request each serves."""
-        return {tid: record.request_id for tid, record in self._by_transfer.items()}
+    def in_flight(self) -> list[str]:
+        """The ids of the transfers still awaited."""
+        return list(self._by_transfer)
 
     def loading(self) -> list[str]:
         """The requests whose claimed load has not landed or failed yet."""

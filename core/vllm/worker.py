@@ -267,8 +267,8 @@ class WorkerSide:
             self._noted.failed.setdefault(request_id, KV_CACHE_RELEASED)
         for transfer_id in self._outcomes.in_flight():
             node.abort(transfer_id)
-        timers = self.config.protocol
-        deadline = time.monotonic() + timers.silence_s + timers.write_grace_s
+        bound = self.config.protocol.silence_s + self.config.protocol.write_grace_s
+        deadline = time.monotonic() + bound
         while self._outcomes.in_flight() and time.monotonic() < deadline:
             for outcome in node.wait_results(0.1):
                 self._account(outcome)
@@ -277,7 +277,7 @@ class WorkerSide:
             log.warning(
                 "kvpush: rank %d lets go of the KV cache's memory with %d transfer(s) "
                 "not ended after %.0f s (a peer may still touch it): %s",
-                self.rank, len(left), timers.silence_s + timers.write_grace_s, sorted(left),
+                self.rank, len(left), bound, sorted(left),
             )  # fmt: skip
 
     def restore_kv_caches(self) -> None:
