@@ -236,14 +236,42 @@ def tcp_between(inside: netns.Host, theirs: set[str]) -> set[tuple[str, str]]:
     return ends
 
 
-def half_open(a: netns.Host, b: netns.Host) -> list[str]:
+@dataclass(frozen=True)
+class OneSided:
+    """A connection one host holds whose other end the other host does not."""
+
+    on: str  # "a" or "b"
+    local: str
+    peer: str
+    owner: str  # the holding process and its TCP timer, as `ss` shows them
+
+    @property
+    def kept_alive(self) -> bool:
+        """The kernel probes it, so it ends by itself once the other end is gone."""
+        return "timer:(keepalive" in self.owner
+
+    def __str__(self) -> str:
+        return f"only on {self.on}: {self.local} -> {self.peer} {self.owner}"
+
+
+def half_open(a: netns.Host, b: netns.Host) -> list[OneSided]:
     """Connections one host holds whose other end the other host does not: a side
     channel or UCX endpoint kept alive on one side only."""
     on_a, on_b = tcp_between(a, addresses_of(b)), tcp_between(b, addresses_of(a))
     mirrored_b = {(peer, local) for local, peer in on_b}
-    only_a = sorted(on_a - mirrored_b)
-    only_b = sorted((local, peer) for local, peer in on_b if (peer, local) not in on_a)
-    return [f"only on a: {c}" for c in only_a] + [f"only on b: {c}" for c in only_b]
+    only_a = [("a", a, *c) for c in sorted(on_a - mirrored_b)]
+    only_b = [("b", b, *c) for c in sorted(on_b) if (c[1], c[0]) not in on_a]
+    return [OneSided(on, local, peer, _owner(host, local, peer))
+            for on, host, local, peer in only_a + only_b]  # fmt: skip
+
+
+def _owner(inside: netns.Host, local: str, peer: str) -> str:
+    shown = subprocess.run(
+        ["ip", "netns", "exec", inside.namespace, "ss", "-H", "-t", "-n", "-p", "-o",
+         "state", "established", "src", local, "dst", peer],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return " ".join(part for part in shown.stdout.split() if part.startswith(("users:", "timer:")))
 
 
 def until(check, seconds: float, step: float = 0.5):

@@ -3,10 +3,11 @@ joined by a veth link, and the router and the plain instance (the oracle) in the
 namespace, reaching each at the address it advertises (tests/netns.py). No `host` is
 set: each instance advertises its namespace's routable address by default.
 
-UCX is held to TCP on both servers (`UCX_TLS=tcp,self`): between the namespaces of one
-machine it would otherwise move the KV through shared memory, and the link would
-carry none of it. Every test checks, over push, its first-token streams, vllm-router's
-nixl mode, TP 2 to TP 1 and pull, that
+UCX is held to TCP on the link's device on both servers (`UCX_TLS=tcp,self`,
+`UCX_NET_DEVICES`): between the namespaces of one machine it would otherwise move the
+KV through shared memory, and the link would carry none of it. Every test checks,
+over push, its first-token streams, vllm-router's nixl mode, TP 2 to TP 1 and pull,
+that
 - the answers equal the plain instance's;
 - every prompt token's KV arrived by transfer (decode's counters);
 - nothing is held afterwards (/kvpush/state on both);
@@ -285,9 +286,24 @@ def _after_healing(client: Client, pair: TwoHostPair, router: str, single: str, 
     assert all(
         state == {"sending": 0, "producing": 0, "receiving": 0} for state in held.values()
     ), held
-    one_sided = faults.until(lambda: faults.half_open(pair.hosts.a, pair.hosts.b), SETTLE_S)
-    assert not one_sided, one_sided
-    return "0 / 0 / 0 on both; no one-sided connection"
+    identity = client.http.get(pair.cluster.identity_url(pair.prefill) + "/query").json()
+    side_channels = set(identity["addresses"])
+
+    def stranded() -> list[faults.OneSided]:
+        """One-sided connections that should have gone: a side channel, or any that
+        the kernel probes. UCX's TCP transport keeps no keepalive on some accepted
+        connections, and one whose other end went during the cut stays until the
+        process exits (docs/troubleshooting.md): that is UCX's, not asserted."""
+        return [c for c in faults.half_open(pair.hosts.a, pair.hosts.b)
+                if c.kept_alive or side_channels & {c.local, c.peer}]  # fmt: skip
+
+    left = faults.until(stranded, SETTLE_S)
+    assert not left, [str(c) for c in left]
+    ucx = faults.half_open(pair.hosts.a, pair.hosts.b)
+    return "0 / 0 / 0 on both; " + (
+        f"UCX keeps {len(ucx)} unprobed connection(s) one-sided" if ucx
+        else "no one-sided connection"
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("cut_s", [2.0, 12.0], ids=["shorter-than-watchdog", "longer"])

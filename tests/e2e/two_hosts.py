@@ -95,7 +95,10 @@ class TwoHostPair:
         server.spec.host, server.spec.launcher = host.address, host.command([])
         server.spec.env.update(UCX_REPORT)
         if UCX_TLS != "unpinned":
-            server.spec.env["UCX_TLS"] = UCX_TLS
+            # Only the link's device, as a machine pins its data NIC: UCX otherwise
+            # also connects over the root namespace's link, and an accepting end that
+            # UCX keeps no keepalive on outlives a partition, open on one side only.
+            server.spec.env.update(UCX_TLS=UCX_TLS, UCX_NET_DEVICES=host.device)
 
     def stop(self) -> None:
         for name in (self.prefill, self.decode):
