@@ -47,8 +47,10 @@ def _until(condition, what: str, seconds: float = 10.0) -> None:
 
 
 def _registered(producer, count: int = 1) -> None:
-    """Wait until `count` registrations have reached the producer."""
-    _until(lambda: producer.call("registered")["count"] >= count, "registration")
+    """Wait until `count` registrations have reached the producer. Pairing two TP
+    ranks (side channel, handshake, NIXL metadata) can take seconds on a loaded
+    machine; a registration that never comes still fails."""
+    _until(lambda: producer.call("registered")["count"] >= count, "registration", 30.0)
 
 
 def _unlinked(peer) -> None:
