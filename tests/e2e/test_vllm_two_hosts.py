@@ -291,9 +291,9 @@ def _after_healing(client: Client, pair: TwoHostPair, router: str, single: str, 
 
     def stranded() -> list[faults.OneSided]:
         """One-sided connections that should have gone: a side channel, or any that
-        the kernel probes. UCX's TCP transport keeps no keepalive on some accepted
-        connections, and one whose other end went during the cut stays until the
-        process exits (docs/troubleshooting.md): that is UCX's, not asserted."""
+        the kernel probes. UCX's TCP transport keeps no keepalive on the connections
+        it accepts, and one whose other end went during the cut is never probed and
+        stays (docs/two-hosts.md): that is UCX's, counted, not asserted."""
         return [c for c in faults.half_open(pair.hosts.a, pair.hosts.b)
                 if c.kept_alive or side_channels & {c.local, c.peer}]  # fmt: skip
 
