@@ -195,6 +195,11 @@ def _serve(benches: Any) -> None:
         help="fleets behind kvpush's router, e.g. 1p2d,2p2d; --configs then takes "
         "rr-aggregated, disagg-all, decide (kvpush.bench.fleet, docs/router.md)",
     )  # fmt: skip
+    p.add_argument(
+        "--rounds", type=a.count, default=1,
+        help="with --fleet: split each cell's requests into N parts, every configuration "
+        "serving each part in turn, so a host that slows for a while slows all alike",
+    )  # fmt: skip
     p.add_argument("--out", help="output directory (default: kvpush-bench-serve-<time>)")
     p.add_argument(
         "--across-namespaces",
@@ -248,6 +253,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         workload=args.workload,
         router_args=tuple(arg for chunk in args.router_args for arg in chunk.split()),
         fleet=_names(args.fleet or ""),
+        rounds=args.rounds,
     )
     if args.link_rate and not args.across_namespaces:
         raise KVPushError("--link-rate caps the link --across-namespaces makes: give both")

@@ -11,8 +11,9 @@
                  disaggregated run whole on the best instance of either role
                  (`--disaggregate auto --placement prefix --aggregate-on prefill,decode`).
 
-A fleet's engines start once and serve every configuration; each cell gets a fresh
-router and starts with every prefix cache emptied (vLLM's `POST /reset_prefix_cache`,
+A fleet's engines start once and serve every configuration; the configurations of a
+cell run back to back (with --rounds N, taking turns on N parts of its requests), each
+from a fresh router and with every prefix cache emptied (vLLM's `POST /reset_prefix_cache`,
 served in its dev mode), so no configuration finds what another left. Placements are
 serve.py's: colocated, then pinned (every prefill instance's tree on --prefill-cpus,
 every decode instance's on --decode-cpus).
@@ -30,6 +31,7 @@ answers are the oracle the others' must match token for token.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import sys
 import time
@@ -73,6 +75,9 @@ def check(settings: Settings) -> None:
         raise KVPushError(f"with --fleet, --configs takes {list(CONFIGS)}, not {unknown}")
     if settings.attach:
         raise KVPushError("--fleet starts its own instances: it takes no --attach")
+    if settings.rounds > settings.requests:
+        raise KVPushError(f"--rounds {settings.rounds} splits --requests {settings.requests} "
+                          "into parts of one request at least: give fewer rounds")  # fmt: skip
 
 
 @dataclass
@@ -114,14 +119,20 @@ def best_hit_ratio(prompts: list[list[int]], block_size: int) -> float | None:
     """The prefix-hit ratio of one cache that kept every earlier prompt: each prompt
     hits its longest prefix shared with any earlier one, in whole blocks and short of
     its last token (vLLM computes at least one), over all prompt tokens."""
-    total = sum(len(p) for p in prompts)
-    if not total:
-        return None
+    hits, total = best_hits(prompts, block_size)
+    return hits / total if total else None
+
+
+def best_hits(prompts: list[list[int]], block_size: int, rounds: int = 1) -> tuple[int, int]:
+    """(best hits, prompt tokens) as best_hit_ratio counts them, where the caches are
+    emptied before each of `rounds` parts (parts()): a prompt hits only its own part's."""
     hits = 0
-    for i, prompt in enumerate(prompts):
-        shared = max((_common(prompt, earlier) for earlier in prompts[:i]), default=0)
-        hits += min(shared, len(prompt) - 1) // block_size * block_size
-    return hits / total
+    for start, end in parts(len(prompts), rounds):
+        part = prompts[start:end]
+        for i, prompt in enumerate(part):
+            shared = max((_common(prompt, earlier) for earlier in part[:i]), default=0)
+            hits += min(shared, len(prompt) - 1) // block_size * block_size
+    return hits, sum(len(p) for p in prompts)
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -218,14 +229,14 @@ class FleetDeployment(Deployment):
 
 
 class FleetBench(Bench):
-    """Per fleet: its instances once; per placement, configuration and cell, a fresh
-    router over them and emptied caches."""
+    """Per fleet: its instances once; per placement, cell, round and configuration, a
+    fresh router over them and emptied caches."""
 
     def _runs(self) -> list[str]:
         return list(self.settings.fleet)
 
     def _configuration(self, name: str, workdir: Path, model: Path) -> list[Cell]:
-        """A fleet's cells: its instances once, a router per cell."""
+        """A fleet's cells: its instances once, every configuration of a cell back to back."""
         s = self.settings
         cells: list[Cell] = []
         deployment = FleetDeployment(name, s, workdir, model)
@@ -236,24 +247,22 @@ class FleetBench(Bench):
             for placement in s.placements:
                 if placement == "pinned":
                     deployment.pin()
-                for config in s.configs:
-                    for length in s.lengths:
-                        for rate in s.rates:
-                            self.report.step(f"{name} {placement} {config} {length} tok {rate:g}/s")
-                            cell = self._fleet_cell(deployment, config, placement, length, rate,
-                                                    block)  # fmt: skip
+                for length in s.lengths:
+                    for rate in s.rates:
+                        for cell in self._cells(deployment, placement, length, rate, block):
                             self.report.add(cell)
                             cells.append(cell)
         finally:
             deployment.stop()
         return cells
 
-    def _fleet_cell(self, deployment: FleetDeployment, config: str, placement: str,
-                    length: int, rate: float, block: int) -> FleetCell:  # fmt: skip
+    def _cells(self, deployment: FleetDeployment, placement: str, length: int, rate: float,
+               block: int) -> list[FleetCell]:  # fmt: skip
+        """Every configuration's cell at one placement, length and rate. The cell's
+        requests are cut into --rounds parts in their order, and each part is served by
+        every configuration in turn: a host that slows down for a minute (a neighbour's
+        load, a clock that drops) then slows each configuration alike."""
         s = self.settings
-        target = deployment.route(config)
-        broken = self._warm_up(target)
-        deployment.reset_prefix_caches()
         # The same requests for every configuration of a placement (answers compare).
         seed = s.seed + s.placements.index(placement) * 1_000_003 + length * 101 + int(rate * 1000)
         if s.workload == "chat":
@@ -263,29 +272,84 @@ class FleetBench(Bench):
                 load.prompts(s.requests, length, seed),
                 load.arrivals(s.requests, rate, seed),
             )
+        runs = {config: _Run() for config in s.configs}
+        for number, (start, end) in enumerate(parts(len(batch), s.rounds)):
+            prompts = batch[start:end]
+            at = [t - send_at[start] for t in send_at[start:end]]
+            for config in s.configs:
+                self.report.step(f"{deployment.config} {placement} {config} {length} tok "
+                                 f"{rate:g}/s, round {number + 1} of {s.rounds}")  # fmt: skip
+                trace = f"{deployment.config}-{placement}-{config}-{length}-{rate:g}"
+                trace += f"-round{number + 1}" if s.rounds > 1 else ""
+                runs[config].add(self._part(deployment, config, prompts, at, trace))
+        expected = [o.token_ids for o in runs[s.configs[0]].outcomes]
+        best = best_hits(batch, block, s.rounds)
+        return [self._cell(run, config, deployment.config, placement, length, rate, expected,
+                           best) for config, run in runs.items()]  # fmt: skip
+
+    def _part(self, deployment: FleetDeployment, config: str, prompts: list[list[int]],
+              send_at: list[float], trace: str) -> _Run:  # fmt: skip
+        """One configuration serving one part of a cell's requests, from a fresh router
+        and emptied prefix caches."""
+        s = self.settings
+        target = deployment.route(config)
+        broken = self._warm_up(target)
+        deployment.reset_prefix_caches()
         deciders = deployment.deciders(config)
         hits0, queries0 = deployment.prefix_counters(deciders)
-        decided = deployment.decisions()  # the warm-up's, not the cell's
+        decided = deployment.decisions()  # the warm-up's, not the part's
         started, wall_start = time.monotonic(), time.time()
         if broken:
-            outcomes = [load.Outcome(False, error=broken)] * s.requests
+            outcomes = [load.Outcome(False, error=broken)] * len(prompts)
         else:
-            outcomes = asyncio.run(load.run(target, batch, send_at, s.output_tokens,
+            outcomes = asyncio.run(load.run(target, prompts, send_at, s.output_tokens,
                                             s.request_timeout_s))  # fmt: skip
         seconds = time.monotonic() - started
         hits1, queries1 = deployment.prefix_counters(deciders)
-        key = (deployment.config, placement, length, rate)
-        if config == s.configs[0]:
-            self.expected[key] = [o.token_ids for o in outcomes]  # type: ignore[index]
-        cell = summarize(config, placement, length, rate, outcomes,
-                         self.expected.get(key), seconds, s, {}, {})  # type: ignore[call-overload]  # fmt: skip
-        name = f"traces-{deployment.config}-{placement}-{config}-{length}-{rate:g}.json"
-        traces = {**deployment.traces(s.requests), "instances": deployment.instances()}
-        kept.write_traces(self.out / name, traces, outcomes, send_at, wall_start)
-        return FleetCell(**asdict(cell), fleet=deployment.config, prefix_hits=hits1 - hits0,
-                         prefix_queries=queries1 - queries0,
-                         best_hit_ratio=best_hit_ratio(batch, block),
-                         decisions=_less(deployment.decisions(), decided))  # fmt: skip
+        traces = {**deployment.traces(len(prompts)), "instances": deployment.instances()}
+        kept.write_traces(self.out / f"traces-{trace}.json", traces, outcomes, send_at, wall_start)
+        return _Run(list(outcomes), seconds, hits1 - hits0, queries1 - queries0,
+                    _less(deployment.decisions(), decided))  # fmt: skip
+
+    def _cell(self, run: _Run, config: str, fleet: str, placement: str, length: int,
+              rate: float, expected: list[list[int] | None], best: tuple[int, int],
+              ) -> FleetCell:  # fmt: skip
+        cell = summarize(config, placement, length, rate, run.outcomes, expected, run.seconds,
+                         self.settings, {}, {})  # type: ignore[arg-type]  # fmt: skip
+        hits, total = best
+        return FleetCell(**asdict(cell), fleet=fleet, prefix_hits=run.hits,
+                         prefix_queries=run.queries,
+                         best_hit_ratio=hits / total if total else None,
+                         decisions=run.decisions)  # fmt: skip
+
+
+@dataclass
+class _Run:
+    """What one configuration's parts of a cell added up to."""
+
+    outcomes: list[load.Outcome] = field(default_factory=list)
+    seconds: float = 0.0
+    hits: int = 0  # decode instances' prefix-cache hits, in tokens
+    queries: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)
+
+    def add(self, part: _Run) -> None:
+        self.outcomes += part.outcomes
+        self.seconds += part.seconds
+        self.hits += part.hits
+        self.queries += part.queries
+        for key, count in part.decisions.items():
+            self.decisions[key] = self.decisions.get(key, 0) + count
+
+
+def parts(count: int, rounds: int) -> list[tuple[int, int]]:
+    """[start, end) of `rounds` consecutive parts of `count` requests, as even as they
+    divide (the earlier parts one longer)."""
+    size, extra = divmod(count, rounds)
+    bounds = [0]
+    for number in range(rounds):
+        bounds.append(bounds[-1] + size + (number < extra))
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _less(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

@@ -96,12 +96,15 @@ class Settings:
     workload: str = "fresh"  # "chat": kvpush.bench.chat's mix, its long prompts the length
     router_args: tuple[str, ...] = ()  # more `kvpush router` flags (push, pull)
     fleet: tuple[str, ...] = ()  # fleet shapes, e.g. "1p2d": bench/fleet.py's run instead
+    rounds: int = 1  # with fleet: each cell's trace in this many parts, configurations taking turns
 
     def __post_init__(self) -> None:
         if self.fleet:  # its own configurations, checked there
             from kvpush.bench import fleet
 
             return fleet.check(self)
+        if self.rounds != 1:
+            raise KVPushError("--rounds interleaves the configurations of --fleet: give both")
         unknown = sorted(set(self.configs) - set(CONFIGS))
         if unknown:
             raise KVPushError(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")

@@ -3,6 +3,8 @@ from /metrics, the best prefix-hit ratio of a trace, and the targets it checks."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from kvpush.bench import fleet, serve
@@ -80,6 +82,102 @@ def test_the_best_hit_ratio_counts_shared_prefixes_in_whole_blocks_short_of_the_
     ]
     assert fleet.best_hit_ratio(prompts, 16) == pytest.approx((48 + 32) / (50 + 64 + 20 + 33))
     assert fleet.best_hit_ratio([], 16) is None
+    # Caches emptied between two parts: the last two prompts find nothing of the first
+    # two, and the fourth nothing of the third (which it does not share).
+    assert fleet.best_hits(prompts, 16, rounds=2) == (48, 50 + 64 + 20 + 33)
+
+
+def test_a_cells_requests_are_cut_into_even_consecutive_parts():
+    assert fleet.parts(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert fleet.parts(5, 1) == [(0, 5)]
+    assert fleet.parts(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(KVPushError, match="--rounds 5 splits --requests 4"):
+        serve.Settings(fleet=("1p2d",), configs=fleet.CONFIGS, requests=4, rounds=5)
+    with pytest.raises(KVPushError, match="--rounds interleaves"):
+        serve.Settings(configs=("push",), rounds=2)
+
+
+class _Fleet:
+    """A fleet deployment's surface as the rounds use it, its instances imagined: every
+    request served counts a prefix hit and a decision."""
+
+    config = "1p2d"
+
+    def __init__(self) -> None:
+        self.routed = ""
+        self.served = 0
+        self.log: list[str] = []
+
+    def route(self, config):
+        self.routed = config
+        self.log.append(f"route {config}")
+        return fleet.load.Target("http://router")
+
+    def reset_prefix_caches(self):
+        self.log.append("reset")
+
+    def deciders(self, config):
+        return ["decode0"]
+
+    def prefix_counters(self, names):
+        return self.served, 2 * self.served
+
+    def decisions(self):
+        return {"decode_alone/short": self.served}
+
+    def traces(self, last):
+        return {}
+
+    def instances(self):
+        return []
+
+
+def test_the_configurations_take_turns_on_each_part_and_their_cells_add_the_parts_up(
+    monkeypatch, tmp_path
+):
+    deployment, sent = _Fleet(), []
+
+    async def serve_part(target, prompts, send_at, output_tokens, timeout):
+        sent.append((deployment.routed, [p[0] for p in prompts], send_at))
+        deployment.served += len(prompts)
+        # disagg-all answers the request whose prompt starts with 4 differently.
+        wrong = deployment.routed == "disagg-all"
+        return [Outcome(True, ttft=0.01, token_ids=[p[0] + (wrong and p[0] == 4)])
+                for p in prompts]  # fmt: skip
+
+    monkeypatch.setattr(fleet.load, "run", serve_part)
+    monkeypatch.setattr(fleet.load, "arrivals", lambda n, rate, seed: [0.5 * i for i in range(n)])
+    monkeypatch.setattr(fleet.load, "prompts", lambda n, length, seed: [[i] * 20 for i in range(n)])
+    settings = serve.Settings(fleet=("1p2d",), configs=fleet.CONFIGS, requests=6, rounds=2,
+                              workload="fresh")  # fmt: skip
+    quiet = SimpleNamespace(step=lambda label: None)
+    bench = fleet.FleetBench(settings, tmp_path, report=quiet)
+    bench._warm_up = lambda target: ""
+    cells = bench._cells(deployment, "pinned", 20, 2.0, block=16)
+
+    # Part one (requests 0-2) by each configuration, then part two (3-5), each part's
+    # first request sent at once, each from a fresh router and emptied caches.
+    parts = [(c, [0, 1, 2]) for c in fleet.CONFIGS] + [(c, [3, 4, 5]) for c in fleet.CONFIGS]
+    assert [(config, firsts) for config, firsts, _ in sent] == parts
+    assert all(at == [0.0, 0.5, 1.0] for _, _, at in sent)
+    assert deployment.log == [f"route {c}" if i % 2 == 0 else "reset"
+                              for c in fleet.CONFIGS * 2 for i in range(2)]  # fmt: skip
+    assert sorted(tmp_path.glob("traces-*")) == sorted(
+        tmp_path / f"traces-1p2d-pinned-{c}-20-2-round{n}.json"
+        for c in fleet.CONFIGS
+        for n in (1, 2)
+    )
+    by = {c.config: c for c in cells}
+    assert [c.config for c in cells] == list(fleet.CONFIGS)
+    # Each cell is all six requests in order, checked against the first configuration's.
+    assert all(c.requests == 6 and c.failures == 0 for c in cells)
+    assert by["rr-aggregated"].mismatches == 0 and by["decide"].mismatches == 0
+    assert by["disagg-all"].mismatches == 1
+    # Counters are the sum of each configuration's own parts, not of the others'.
+    assert by["decide"].prefix_hits == 6 and by["decide"].prefix_queries == 12
+    assert by["decide"].decisions == {"decode_alone/short": 6}
+    # Each part's caches start empty: prompts [i]*20 share nothing anyway.
+    assert by["decide"].best_hit_ratio == 0.0
 
 
 def _cell(config: str, p50: float, p99: float, rate: float, hits=(0, 0), best=None):
@@ -141,6 +239,8 @@ def test_the_command_line_runs_the_fleet_bench_with_its_own_configurations(monke
     argv = ["bench", "serve", "--fleet", "1p2d,2p2d", "--out", str(tmp_path)]
     assert main(argv) == 0
     assert seen[0].fleet == ("1p2d", "2p2d") and seen[0].configs == fleet.CONFIGS
+    assert seen[0].rounds == 1
+    assert main([*argv, "--rounds", "4"]) == 0 and seen[1].rounds == 4
     assert main([*argv, "--configs", "plain"]) == 2  # not a fleet configuration: refused
 
 
