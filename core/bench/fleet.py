@@ -22,7 +22,7 @@ Beyond serve.py's cell, each records decode's prefix-cache hit ratio (vLLM's
 `vllm:prefix_cache_hits`/`queries` counters, summed over the instances that ran
 decodes, counted over the cell: every instance for rr-aggregated and decide, whose
 prefill instances run whole requests too), the best ratio the cell's trace allows
-(one cache that saw every earlier request: `best_hit_ratio`), and the router's
+(one cache that saw every earlier request: `best_hits`), and the router's
 decisions by reason (`kvpush_router_decisions_total`) with where whole requests
 ran (`kvpush_router_whole_requests_total`, by role). The first configuration's
 answers are the oracle the others' must match token for token.
@@ -115,17 +115,11 @@ def decision_counts(metrics_text: str) -> dict[str, int]:
     return counts
 
 
-def best_hit_ratio(prompts: list[list[int]], block_size: int) -> float | None:
-    """The prefix-hit ratio of one cache that kept every earlier prompt: each prompt
-    hits its longest prefix shared with any earlier one, in whole blocks and short of
-    its last token (vLLM computes at least one), over all prompt tokens."""
-    hits, total = best_hits(prompts, block_size)
-    return hits / total if total else None
-
-
 def best_hits(prompts: list[list[int]], block_size: int, rounds: int = 1) -> tuple[int, int]:
-    """(best hits, prompt tokens) as best_hit_ratio counts them, where the caches are
-    emptied before each of `rounds` parts (parts()): a prompt hits only its own part's."""
+    """(hits, prompt tokens) of one cache that kept every earlier prompt of its part
+    (parts(): the caches are emptied before each of `rounds`): each prompt hits its
+    longest prefix shared with an earlier one, in whole blocks and short of its last
+    token (vLLM computes at least one)."""
     hits = 0
     for start, end in parts(len(prompts), rounds):
         part = prompts[start:end]

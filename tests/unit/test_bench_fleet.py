@@ -72,7 +72,7 @@ def test_decision_counts_are_keyed_by_path_and_reason():
     }
 
 
-def test_the_best_hit_ratio_counts_shared_prefixes_in_whole_blocks_short_of_the_last_token():
+def test_the_best_hits_count_shared_prefixes_in_whole_blocks_short_of_the_last_token():
     system = list(range(40))
     prompts = [
         system + [100] * 10,  # 50 tokens, nothing before it: 0
@@ -80,8 +80,8 @@ def test_the_best_hit_ratio_counts_shared_prefixes_in_whole_blocks_short_of_the_
         list(range(200, 220)),  # 20 fresh tokens: 0
         system[:33],  # 33 tokens all seen: 32 (its last token is computed)
     ]
-    assert fleet.best_hit_ratio(prompts, 16) == pytest.approx((48 + 32) / (50 + 64 + 20 + 33))
-    assert fleet.best_hit_ratio([], 16) is None
+    assert fleet.best_hits(prompts, 16) == (48 + 32, 50 + 64 + 20 + 33)
+    assert fleet.best_hits([], 16) == (0, 0)
     # Caches emptied between two parts: the last two prompts find nothing of the first
     # two, and the fourth nothing of the third (which it does not share).
     assert fleet.best_hits(prompts, 16, rounds=2) == (48, 50 + 64 + 20 + 33)
