@@ -17,6 +17,7 @@ transferred byte. Identical Node code runs both modes; only the protocol differs
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -30,14 +31,17 @@ from typing import Any
 import numpy as np
 
 from kvpush.backend.plugins import get_backends
+from kvpush.bench import children
 from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
+from kvpush.errors import KVPushError
 from kvpush.node import Node, NodeConfig
 from kvpush.protocol.config import ProtocolConfig
 
 # 32 layers, as an 8B-parameter model has; 8 blocks of 8 KiB each per layer: 2 MiB a request.
 LAYERS, POOL_BLOCKS, BLOCK_BYTES, BLOCKS_PER_REQUEST = 32, 512, 8 * 1024, 8
 SAMPLE_STRIDE = 1024
+START_S = 120.0  # a producer process up and listening
 
 
 @dataclass(frozen=True)
@@ -185,22 +189,34 @@ def run_point(mode: str, in_flight: int, settings: Settings) -> PointResult:
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
-    producer = ctx.Process(target=_producer_main, args=(mode, settings, p_child), daemon=True)
-    producer.start()
-    _, address = p_conn.recv()
-    consumer = ctx.Process(
-        target=_consumer_main, args=(mode, settings, address, d_child), daemon=True
-    )
-    consumer.start()
+    started = [children.start("producer", _producer_main, mode, settings, p_child)]
+    # Only the child holds its end now: if it dies, our end reads EOF instead of waiting.
+    p_child.close()
     try:
+        ((_, _, address),) = _messages([p_conn], START_S)
+        started.append(children.start("consumer", _consumer_main, mode, settings, address, d_child))
+        d_child.close()
         return _drive(mode, in_flight, settings, p_conn, d_conn)
     finally:
         for conn in (p_conn, d_conn):
-            conn.send(("stop", None))
-        for process in (producer, consumer):
-            process.join(20)
-            if process.is_alive():
-                process.kill()
+            with contextlib.suppress(OSError):
+                conn.send(("stop", None))
+        children.stop(started, grace=20)
+
+
+def _messages(conns: list[Any], timeout: float) -> list[tuple[Any, str, Any]]:
+    """The messages waiting on `conns`, waiting up to `timeout` for the first."""
+    ready = mp.connection.wait(conns, timeout=timeout)
+    if not ready:
+        raise KVPushError(f"bench protocol: no side said anything in {timeout:g}s")
+    messages = []
+    for conn in ready:
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            raise KVPushError("bench protocol: a side ended early (its error is above)") from None
+        messages.append((conn, kind, payload))
+    return messages
 
 
 def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: Any) -> PointResult:
@@ -233,8 +249,7 @@ def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: A
     for _ in range(in_flight):
         issue()
     while len(latencies) < total:
-        for conn in mp.connection.wait([p_conn, d_conn], timeout=60):
-            kind, payload = conn.recv()
+        for _, kind, payload in _messages([p_conn, d_conn], 60):
             if kind == "done":
                 tid, when = payload
                 done_at[tid] = when
@@ -250,7 +265,7 @@ def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: A
             pair(tid)
     p_conn.send(("idle", settings.idle_seconds))
     d_conn.send(("idle", settings.idle_seconds))
-    idle = {id(c): c.recv()[1] for c in (p_conn, d_conn)}
+    idle = {id(c): _messages([c], settings.idle_seconds + 30)[0][2] for c in (p_conn, d_conn)}
     return PointResult(
         mode=mode,
         in_flight=in_flight,
@@ -269,8 +284,7 @@ def _drive(mode: str, in_flight: int, settings: Settings, p_conn: Any, d_conn: A
 
 def _wait_ready(p_conn: Any, d_conn: Any, mode: str, tid: str) -> None:
     while True:
-        for conn in mp.connection.wait([p_conn, d_conn], timeout=120):
-            kind, payload = conn.recv()
+        for _, kind, payload in _messages([p_conn, d_conn], 120):
             if kind == "done" and mode == "pull":
                 d_conn.send(("decode", payload[0]))
             if kind == "ready" and payload[0] == tid:

@@ -31,8 +31,10 @@ import msgspec
 import numpy as np
 
 from kvpush.backend.plugins import get_backends
+from kvpush.bench import children
 from kvpush.bench.progress import Progress
 from kvpush.bench.report import Report
+from kvpush.errors import KVPushError
 from kvpush.layout import BlockTable, KVLayout, Shard, plan
 from kvpush.transport.agent import AgentConfig, NixlAgent
 from kvpush.transport.channel import Connection, Listener, connect
@@ -41,6 +43,8 @@ from kvpush.transport.loop import Loop
 MiB = 1 << 20
 LAYERS = 4
 SIZES_MIB = (1, 16, 256)
+START_S, RESULT_S = 120.0, 300.0  # a process's start; one size's whole measurement
+WRITE_S = 60.0  # one WRITE, from prepare to done: far past any size measured here
 HEADS, TOKENS = 8, 16  # the model's KV heads; tokens per block
 DIMS = ("blocks", "kv", "heads", "tokens", "dim")
 
@@ -282,6 +286,8 @@ def open_writer(shape: Shape, host: str, port: int, nap_s: float = 0.0) -> Write
             if nap_s:
                 time.sleep(nap_s)
             finished = agent.done(transfer)
+            if not finished and time.perf_counter() - t0 > WRITE_S:
+                raise KVPushError(f"WRITE {tag} of {nbytes} bytes not done after {WRITE_S:g}s")
         t3 = time.perf_counter()
         agent.release(transfer)
         return t1 - t0, t2 - t1, t3 - t0
@@ -329,23 +335,15 @@ def run_size(shape: Shape, runs: int, idle_seconds: float) -> SizeResult:
     """Measure one shape with a fresh pair of processes."""
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
-    receiver = ctx.Process(target=_receiver_main, args=(shape, ports, idle_seconds))
-    receiver.start()
+    receiver = children.start("receiver", _receiver_main, shape, ports, idle_seconds)
+    started = [receiver]
     try:
-        port = ports.get(timeout=120)
-        sender = ctx.Process(target=_sender_main, args=(shape, port, runs, idle_seconds, results))
-        sender.start()
-        try:
-            result = results.get(timeout=300 + idle_seconds)
-        finally:
-            sender.join(30)
-            if sender.is_alive():
-                sender.kill()
+        port = children.take(ports, "the receiver's port", START_S, started)
+        sender = children.start("sender", _sender_main, shape, port, runs, idle_seconds, results)
+        started.append(sender)
+        return children.take(results, "the sender's result", RESULT_S + idle_seconds, started)
     finally:
-        receiver.join(30)
-        if receiver.is_alive():
-            receiver.kill()
-    return result
+        children.stop(started[::-1])
 
 
 def main(sizes_mib: tuple[float, ...], runs: int, idle_seconds: float, as_json: bool) -> int:

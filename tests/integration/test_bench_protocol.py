@@ -19,7 +19,7 @@ def test_bench_protocol_json_reports_both_modes():
     result = subprocess.run(
         [sys.executable, "-m", "kvpush", "bench", "protocol", "--json", "--in-flight", "3",
          "--requests-per-stream", "2", "--prefill-ms-per-request", "5", "--idle-seconds", "0.3"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {row["mode"]: row for row in map(json.loads, result.stdout.splitlines())}
