@@ -21,7 +21,8 @@ every decode instance's on --decode-cpus).
 Beyond serve.py's cell, each records decode's prefix-cache hit ratio (vLLM's
 `vllm:prefix_cache_hits`/`queries` counters, summed over the instances that ran
 decodes, counted over the cell: every instance for rr-aggregated and decide, whose
-prefill instances run whole requests too), the best ratio the cell's trace allows
+prefill instances run whole requests too, less what they looked up for prefill legs,
+`vllm:kvpush_prefill_leg_prefix_tokens_total`), the best ratio the cell's trace allows
 (one cache that saw every earlier request: `best_hits`), and the router's
 decisions by reason (`kvpush_router_decisions_total`) with where whole requests
 ran (`kvpush_router_whole_requests_total`, by role). The first configuration's
@@ -94,9 +95,15 @@ class FleetCell(Cell):
 
 
 def prefix_counters(metrics_text: str) -> tuple[int, int]:
-    """(hits, queries) of vLLM's prefix cache, summed over its engines."""
+    """(hits, queries) of vLLM's prefix cache, summed over its engines, for the requests
+    the instance decodes: less its prefill legs' lookups, which kvpush counts apart."""
     hits = sum(v for _, v in samples(metrics_text, "vllm:prefix_cache_hits"))
     queries = sum(v for _, v in samples(metrics_text, "vllm:prefix_cache_queries"))
+    for labels, value in samples(metrics_text, "vllm:kvpush_prefill_leg_prefix_tokens"):
+        if 'reason="hit"' in labels:
+            hits -= value
+        elif 'reason="queried"' in labels:
+            queries -= value
     return int(hits), int(queries)
 
 

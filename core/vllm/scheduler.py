@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Finished statuses after which a prefill's KV is complete and worth sending.
 _SENDABLE = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-_COUNTED = ("recomputed", "orphaned", "refused")
+_COUNTED = ("recomputed", "orphaned", "refused", "prefill_leg_prefix")
 _Call = TypeVar("_Call", bound=Callable[..., Any])
 
 
@@ -111,6 +111,9 @@ class SchedulerSide:
         self._ids = EngineTransfers(model=shape.model_name)
         self._rank_states: dict[int, dict[str, int]] = {}  # worker rank -> its state counts
         self._rank_hooks: dict[int, dict[str, str]] = {}  # worker rank -> its vLLM hooks
+        # Prefill legs' prefix-cache lookups (prompt tokens, hits) awaiting admission.
+        self._leg_lookups: dict[str, tuple[int, int]] = {}
+        self._prefix_caching = shape.prefix_caching
         # DP ranks that step in lockstep (vLLM's MoE data parallel) meet in a collective
         # every few steps: one rank sleeping through an empty step would hold up the
         # others' real ones, so such ranks step as vLLM does.
@@ -202,6 +205,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode"):
             self._admit_prefill(request, params)
+            self._leg_looked_up(request, num_computed_tokens)
             return 0, False
         if not params.get("do_remote_prefill"):
             return 0, False
@@ -222,6 +226,9 @@ class SchedulerSide:
 
     @_traced
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        lookup = self._leg_lookups.pop(request.request_id, None)
+        if lookup is not None:  # admitted: now vLLM counts its lookup, and so do we
+            self.counts["prefill_leg_prefix"].update(queried=lookup[0], hit=lookup[1])
         params = request.kv_transfer_params or {}
         if not (params.get("do_remote_prefill") and num_external_tokens > 0):
             return
@@ -270,6 +277,7 @@ class SchedulerSide:
         request_id = request.request_id
         self.idle.news()
         self._ids.forget(request_id)
+        self._leg_lookups.pop(request_id, None)
         # spoiled: vLLM freed blocks the KV needs (groups.window_lost): send nothing.
         finish = self.ledger.finished(request_id, _status(request) in _SENDABLE and not spoiled)
         leg = finish.echo
@@ -360,6 +368,15 @@ class SchedulerSide:
             "naming their transfers here and echoing them to decode",
         )
         return api_request_id(request_id)
+
+    def _leg_looked_up(self, request: Any, hits: int) -> None:
+        """A prefill leg's prefix-cache lookup, kept for its admission: vLLM counts its
+        lookups in vllm:prefix_cache_queries/hits only then, not after a preemption, and
+        not where the request skips the cache. Those counters less these are the lookups
+        of the requests this instance decodes."""
+        skips = getattr(request, "skip_reading_prefix_cache", False)
+        if self._prefix_caching and not skips and not getattr(request, "num_preemptions", 0):
+            self._leg_lookups[request.request_id] = (len(request.prompt_token_ids or ()), hits)
 
     def _recomputed(self, reason: str, message: str = "") -> None:
         """A decode prompt no transfer serves: in metrics, and once in the log unless logged."""

@@ -22,9 +22,10 @@ from kvpush.metrics import Metrics
 COUNTS = ("delivered", "failed", "released", "bytes", "rejected_messages", "handshakes_refused",
           "reconnects")  # fmt: skip
 SAMPLES = ("done_to_ready_s",)
-# Per reason: decode prompts computed locally (the scheduler's), and transfers whose
-# other leg never came (prefill: KV nobody announced; decode: a leg without params).
-BY_REASON = ("recomputed", "orphaned", "refused")
+# Per reason: decode prompts computed locally (the scheduler's), transfers whose other
+# leg never came (prefill: KV nobody announced; decode: a leg without params), refused
+# decode legs, and prefill legs' prefix-cache tokens (queried, hit).
+BY_REASON = ("recomputed", "orphaned", "refused", "prefill_leg_prefix")
 
 
 def node_totals(metrics: Metrics) -> dict[str, float]:
@@ -140,6 +141,13 @@ _BY_REASON_METRICS = {
         "within orphan_grace_s (no_decode_announced), a decode cancelled before claiming "
         "it (decode_cancelled) or the router said never reached decode (router_released), "
         "or a decode leg whose orchestrator dropped the prefill answer's kv_transfer_params",
+    ),
+    "prefill_leg_prefix": (
+        "vllm:kvpush_prefill_leg_prefix_tokens_total",
+        "Prompt tokens of prefill legs (requests whose KV goes to a decode instance) "
+        "looked up in this instance's prefix cache (reason queried) and found there "
+        "(reason hit), counted as vllm:prefix_cache_queries/hits count them: those less "
+        "these are the requests this instance decodes",
     ),
     "refused": (
         "vllm:kvpush_refused_legs_total",

@@ -72,6 +72,33 @@ def test_prompts_sharing_a_prefix_cached_on_decode_equal_a_single_instance(clust
     _both_drained(cluster, client)
 
 
+def test_prefills_lookups_for_legs_are_counted_as_vllm_counts_its_own(cluster, router, client):
+    """Every request prefill serves here is a leg, so kvpush's count of the legs'
+    prefix-cache lookups must equal vLLM's counters: what the fleet bench subtracts to
+    tell a decode's hits from a prefill leg's. A prompt sent twice hits the second time."""
+    prefill = cluster.servers["prefill"].url
+    legs = "vllm:kvpush_prefill_leg_prefix_tokens_total"
+
+    def counts() -> tuple[float, ...]:
+        return (client.metric(prefill, "vllm:prefix_cache_queries_total"),
+                client.metric(prefill, "vllm:prefix_cache_hits_total"),
+                client.metric(prefill, legs, 'reason="queried"'),
+                client.metric(prefill, legs, 'reason="hit"'))  # fmt: skip
+
+    before = counts()
+    tokens = prompt(600, seed=4242)
+    for _ in range(2):
+        client.tokens(router, tokens)
+    deadline = time.monotonic() + 15
+    while (delta := [a - b for a, b in zip(counts(), before, strict=True)])[2] < 1200:
+        assert time.monotonic() < deadline, delta
+        time.sleep(0.2)
+    queries, hits, leg_queries, leg_hits = delta
+    assert queries == leg_queries == 1200, delta
+    assert hits == leg_hits >= 512, delta  # the second send found 4 of its blocks
+    _both_drained(cluster, client)
+
+
 def test_streaming_and_chat_equal_a_single_instance(cluster, router, client):
     single = cluster.servers["single"].url
     for n in (3, 130, 400):

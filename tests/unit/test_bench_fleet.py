@@ -50,10 +50,22 @@ vllm:gpu_prefix_cache_hits_total{engine="0"} 99.0
 """
 
 
+LEGS = """\
+vllm:kvpush_prefill_leg_prefix_tokens_total{engine="0",model_name="tiny",reason="queried"} 3000.0
+vllm:kvpush_prefill_leg_prefix_tokens_total{engine="0",model_name="tiny",reason="hit"} 512.0
+vllm:kvpush_prefill_leg_prefix_tokens_created{engine="0",model_name="tiny",reason="hit"} 1.7e9
+"""
+
+
 def test_prefix_counters_sum_engines_and_skip_other_series():
     # _created is a timestamp and gpu_ another metric: neither counts.
     assert fleet.prefix_counters(METRICS) == (2048, 5096)
     assert fleet.prefix_counters("") == (0, 0)
+
+
+def test_prefix_counters_leave_out_the_prefill_legs_lookups():
+    # What an instance looked up for requests it only prefilled is not a decode's hit.
+    assert fleet.prefix_counters(METRICS + LEGS) == (2048 - 512, 5096 - 3000)
 
 
 def test_decision_counts_are_keyed_by_path_and_reason():

@@ -597,6 +597,37 @@ def test_decode_prompts_computed_locally_are_counted_by_reason():
     assert side.stats() is None  # counted once
 
 
+def test_prefill_legs_lookups_are_counted_once_admitted_as_vllm_counts_its_own():
+    side = _side()
+    leg = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.get_num_new_matched_tokens(leg, 0)  # no room this step: vLLM counts nothing yet
+    side.get_num_new_matched_tokens(leg, BLOCK)  # the lookup of the step that admits it
+    side.update_state_after_alloc(leg, _blocks([4, 5, 6]), 0)
+    # Not counted: a leg that ends before admission, a preempted leg's second lookup, a
+    # leg that skips the cache (prompt logprobs), and a request decoded here.
+    gone = _request("p2", 50, {"do_remote_decode": True, "transfer_id": "xfer-2"})
+    side.get_num_new_matched_tokens(gone, 0)
+    side.request_finished(gone, [[]])
+    again = _request("p3", 70, {"do_remote_decode": True, "transfer_id": "xfer-3"})
+    again.num_preemptions = 1
+    skips = _request("p4", 90, {"do_remote_decode": True, "transfer_id": "xfer-4"})
+    skips.skip_reading_prefix_cache = True
+    whole = _request("w1", 40, {})
+    for request in (again, skips, whole):
+        side.get_num_new_matched_tokens(request, 0)
+        side.update_state_after_alloc(request, _blocks([7]), 0)
+    assert side.stats() == {"prefill_leg_prefix": {"queried": 300, "hit": BLOCK}}
+
+
+def test_without_prefix_caching_no_leg_lookup_is_counted():
+    shape = EngineShape("engine-p", BLOCK, 1, prefix_caching=False)
+    side = SchedulerSide(ConnectorConfig.from_extra({}), shape)
+    leg = _request("p1", 300, {"do_remote_decode": True, "transfer_id": "xfer-1"})
+    side.get_num_new_matched_tokens(leg, 0)
+    side.update_state_after_alloc(leg, _blocks([4]), 0)
+    assert side.stats() is None
+
+
 def test_under_the_fail_policy_a_rejected_leg_is_refused_not_recomputed():
     side = SchedulerSide(ConnectorConfig.from_extra({}), EngineShape("engine-d", BLOCK, 1))
     side.on_new_request(_request("d2", 50, _decode_params(transfer_mode="pull")))
