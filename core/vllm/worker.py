@@ -48,6 +48,20 @@ VLLM_KV_DIMS = ("blocks", "heads", "tokens", "kvdim")
 VLLM_CPU_DIMS = ("blocks", "heads", "cpu_attention")
 
 
+def ask_for_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state where the CPU has it. vLLM's CPU attention runs
+    AMX instructions there (bf16), and a process that has not asked dies of SIGILL on
+    its first one. A decode instance whose first step attended over transferred KV had
+    not asked: its first request killed the engine (vLLM 0.32.0, a Xeon with AMX)."""
+    import torch  # the worker's, loaded already; kvpush itself does not need it
+
+    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+        log.warning(
+            "kvpush: this CPU has AMX but Linux refused this process its tile state; "
+            "vLLM's bf16 CPU attention may die of SIGILL (serve with --dtype float32)"
+        )
+
+
 def as_head_parts(kv_caches: dict[str, Any]) -> dict[str, Any]:
     """vLLM CPU caches [blocks, heads, tokens, 2 * dim] as [blocks, heads, the rest]
     (a view: it raises rather than copy, should a cache not be laid out so)."""
@@ -173,6 +187,8 @@ class WorkerSide:
         """Describe and register the engine's KV cache; `block_size` and `num_blocks`
         are what vLLM's scheduler hands out (0: unknown, not checked)."""
         self.backends.init_runtime(self.device_type)
+        if self.shape.cpu_attention:
+            ask_for_amx_tiles()
         if self.config.park_workers:
             self._parking = Parking.find()  # vLLM's worker loop is on the stack now
         else:
