@@ -10,7 +10,11 @@ A pair's cost is counted in prompt tokens:
   compute before their first token (the router counts them, as Dynamo's router
   counts active prefill blocks), and those of the instances sharing its device
   (instances.on_device), weighed `compute`, since a new prompt waits for them;
-- the queue on each: its requests in flight, each as `queue_tokens` tokens.
+- the queue on each: its requests in flight and those of the instances sharing its
+  device, each as `queue_tokens` tokens. A request in flight past its first token
+  holds a new prompt up by a decode step's share of the device, on the instance
+  itself or on one beside it alike: measured here (docs/router.md), 0-3 ms, the
+  compute of 30-110 prompt tokens; the default is 64.
 With `--pace`, what an instance computes and queues is weighed by its pace
 (pace.py): 2 where it has been computing tokens twice as slowly as the fleet's
 mean. A request on decode alone costs the tokens decode must compute, the compute
@@ -38,7 +42,7 @@ from kvpush.errors import ConfigError
 class Weights:
     compute: float = 1.0  # a prompt token prefill computes
     transfer: float = 0.25  # a prompt token decode loads (a write, not a compute)
-    queue_tokens: int = 512  # a request in flight, in prompt tokens
+    queue_tokens: int = 64  # a request in flight, in prompt tokens
 
     def __post_init__(self) -> None:
         if min(self.compute, self.transfer, self.queue_tokens) < 0:
@@ -53,6 +57,7 @@ class Candidate:
     cached: int  # prompt tokens it holds
     queue: int  # requests in flight there
     computing: int = 0  # prompt tokens its requests in flight compute before a first token
+    beside: int = 0  # requests in flight on the other instances sharing its device
     pace: float = 1.0  # its seconds per prompt token over the fleet's mean (pace.py)
 
 
@@ -70,8 +75,9 @@ def pair_cost(w: Weights, prompt: int, prefill: Candidate, decode: Candidate) ->
 
 def _own(w: Weights, computed: int, instance: Candidate) -> float:
     """An instance's share of a cost at the fleet's mean pace: what it computes of
-    the prompt, what it computes already, and its queue."""
-    return w.compute * (computed + instance.computing) + w.queue_tokens * instance.queue
+    the prompt, what it and its device compute already, and their queues."""
+    queued = instance.queue + instance.beside
+    return w.compute * (computed + instance.computing) + w.queue_tokens * queued
 
 
 T = TypeVar("T")

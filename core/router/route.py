@@ -231,8 +231,10 @@ class Planner:
         if tokens is not None:
             block_size = _block_size(instance)
             cached = self.index.cached_tokens(instance.url, tokens, block_size, chains)
-        computing = sum(i.computing for i in on_device(instance, self._fleet()))
-        return Candidate(instance, cached, instance.outstanding, computing, pace)
+        sharing = on_device(instance, self._fleet())
+        computing = sum(i.computing for i in sharing)
+        beside = sum(i.outstanding for i in sharing if i is not instance)
+        return Candidate(instance, cached, instance.outstanding, computing, beside, pace)
 
     def _scored(
         self, instances: list[Instance], tokens: list[int], chains: dict[int, list[int]],

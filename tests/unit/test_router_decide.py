@@ -391,6 +391,29 @@ def test_aggregate_on_names_prefill_decode_or_both():
     assert policy_of(args).aggregate_on == ("prefill", "decode")
 
 
+def test_a_turn_stays_on_its_prefix_when_what_is_in_flight_shares_its_device():
+    """A turn's prefix sits on d1, which decodes five requests; d2 decodes none. On
+    devices of their own, d2 is the less loaded and takes the turn. On one device, d2's
+    prompt would wait for d1's five decodes just the same, so the prefix keeps the
+    turn on d1; the decision still sees d1's own queue."""
+    for device, where in ((False, "http://d:2"), (True, "http://d:1")):
+        planner, _ = _fleet(("decode",), rule=DecisionRule("never"))
+        _, d1, d2 = planner.prefill.instances + planner.decode.instances
+        if device:
+            d1.device = d2.device = "core1"
+        planner.index.sent(d1.url, LONG_PROMPT[:200])
+        d1.outstanding = 5
+        route = planner.plan(LONG_PROMPT[:260], None, lambda p, d: True)
+        assert route.decode.url == where, device
+    planner, _ = _fleet(("decode",), rule=DecisionRule("auto", min_uncached_tokens=0))
+    _, d1, d2 = planner.prefill.instances + planner.decode.instances
+    d1.device = d2.device = "core1"
+    planner.index.sent(d1.url, LONG_PROMPT[:200])
+    d2.outstanding = 1
+    route = planner.plan(LONG_PROMPT[:300], None, lambda p, d: True)
+    assert (route.decode, route.decision.reason) == (d1, "decode_idle")
+
+
 def test_compute_queued_on_an_instance_outweighs_the_prefix_it_holds():
     """A turn whose 1,000-token prefix sits where a long prompt is being computed
     goes elsewhere: one request in flight weighs 512 tokens, but that request's
