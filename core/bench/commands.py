@@ -25,6 +25,7 @@ def add_bench(commands: Any) -> None:
     _protocol(benches)
     _serve(benches)
     _handoff(benches)
+    _inflight(benches)
     _soak(benches)
 
 
@@ -320,6 +321,36 @@ def _run_handoff(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     return handoff.main(settings, _out(args.out, "handoff"), args.json)
+
+
+def _inflight(benches: Any) -> None:
+    p = a.command(
+        benches, "inflight", "real vLLM: what a request in flight costs a new prompt's TTFT, "
+        "in prompt tokens, on its instance and on one beside it (--queue-tokens)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--lengths", type=a.listing(a.count), default="256,512",
+                   help="the measured prompt's lengths in tokens, comma-separated")  # fmt: skip
+    p.add_argument("--in-flight", type=a.listing(a.count), default="1,2,4",
+                   help="how many requests decode meanwhile, comma-separated")  # fmt: skip
+    p.add_argument("--context", type=a.count, default=2048,
+                   help="prompt tokens of each request in flight")  # fmt: skip
+    p.add_argument("--reps", type=a.count, default=9, help="tries a figure is the median of")
+    p.add_argument("--cpus", type=a.cpus, default="0", help="the CPUs both instances share")
+    p.add_argument("--model", type=a.directory, help=f"a local model directory {TINY}")
+    p.add_argument("--seed", type=a.integer(), default=0, help="seeds the prompts")
+    p.add_argument("--out", help="output directory (default: kvpush-bench-inflight-<time>)")
+    p.set_defaults(run=_run_inflight)
+
+
+def _run_inflight(args: argparse.Namespace) -> int:
+    from kvpush.bench import inflight
+
+    settings = inflight.Settings(
+        lengths=args.lengths, in_flight=args.in_flight, context=args.context, reps=args.reps,
+        cpus=args.cpus, model=Path(args.model) if args.model else None, seed=args.seed,
+    )  # fmt: skip
+    return inflight.main(settings, _out(args.out, "inflight"), args.json)
 
 
 def _soak(benches: Any) -> None:

@@ -131,6 +131,8 @@ BAD_INVOCATIONS = [
     (["bench", "serve", "--model", "/no/such/model"], "'/no/such/model' is not a directory"),
     (["bench", "serve", "--slo-ttft-ms", "-1"], "--slo-ttft-ms: '-1'"),
     (["bench", "handoff", "--step-tokens", "0"], "--step-tokens: '0'"),
+    (["bench", "inflight", "--in-flight", "2,0"], "--in-flight: '0' must be at least 1"),
+    (["bench", "inflight", "--cpus", "x"], "'x' is not a CPU list"),
     (["bench", "soak", "--requests", "-3"], "--requests: '-3'"),
     (["bench", "soak", "--disconnect-share", "1.5"], "'1.5' must be in [0, 1]"),
     (["bench", "soak", "--kv-extra", '{"leese_s": 3}'], "did you mean 'lease_s'?"),
@@ -150,7 +152,7 @@ BAD_INVOCATIONS = [
 def test_a_bad_value_is_a_one_line_usage_error_naming_it(argv, named, capsys, monkeypatch):
     import kvpush.demo.main as demo
     import kvpush.router.app as app
-    from kvpush.bench import handoff, protocol, serve_report, soak, transfer
+    from kvpush.bench import handoff, inflight, protocol, serve_report, soak, transfer
     from kvpush.cli import main
 
     def started(*args, **kwargs):
@@ -159,7 +161,7 @@ def test_a_bad_value_is_a_one_line_usage_error_naming_it(argv, named, capsys, mo
     # A value let through must fail here, not start servers or a router that never ends.
     for module, name in ((app, "run"), (demo, "main")):
         monkeypatch.setattr(module, name, started)
-    for module in (handoff, protocol, serve_report, soak, transfer):
+    for module in (handoff, inflight, protocol, serve_report, soak, transfer):
         monkeypatch.setattr(module, "main", started)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -229,3 +231,12 @@ def test_help_lists_the_exit_codes():
     assert result.returncode == 0
     for code in ("0 ", "1 ", "2 ", "130", "141", "143"):
         assert f"\n  {code}" in result.stdout, code
+
+
+def test_the_inflight_bench_refuses_settings_it_cannot_measure_with():
+    from kvpush.bench.inflight import Settings
+    from kvpush.errors import KVPushError
+
+    for bad in ({"in_flight": ()}, {"lengths": ()}, {"reps": 0}, {"slope": (2048, 512)}):
+        with pytest.raises(KVPushError):
+            Settings(**bad)
