@@ -11,10 +11,9 @@ A pair's cost is counted in prompt tokens:
   counts active prefill blocks), and those of the instances sharing its device
   (instances.on_device), weighed `compute`, since a new prompt waits for them;
 - the queue on each: its requests in flight and those of the instances sharing its
-  device, each as `queue_tokens` tokens. A request in flight past its first token
-  holds a new prompt up by a decode step's share of the device, on the instance
-  itself or on one beside it alike: measured here (docs/router.md), 0-3 ms, the
-  compute of 30-110 prompt tokens; the default is 64.
+  device, each as `queue_tokens` tokens. A request decoding beside a new prompt on
+  its device holds it up at least as much as one on its own instance (`kvpush bench
+  inflight`, docs/router.md), so an idle instance beside busy ones is no cheaper.
 With `--pace`, what an instance computes and queues is weighed by its pace
 (pace.py): 2 where it has been computing tokens twice as slowly as the fleet's
 mean. A request on decode alone costs the tokens decode must compute, the compute
