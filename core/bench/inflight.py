@@ -77,7 +77,7 @@ class Row:
 class Pair:
     """The two instances, the first the one every measured prompt goes to."""
 
-    def __init__(self, session: aiohttp.ClientSession, urls: list[str], settings: Settings):
+    def __init__(self, session: aiohttp.ClientSession, urls: list[str], settings: Settings) -> None:
         self.session = session
         self.urls = urls
         self.settings = settings
